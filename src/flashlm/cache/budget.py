@@ -1,0 +1,121 @@
+"""Split one memory budget into per-layer cache capacities, never allocating past it.
+
+Everything flashlm allocates for streaming is paid from the budget, in this order:
+
+1. the fixed working memory (`overhead_bytes`: the staging buffer for one layer's misses and the
+   reader's I/O buffer), without which no token can be computed;
+2. each cache's per-unit indices (`slot_of` and the policy's state), whose size depends on the
+   layer's unit count but not on its capacity;
+3. cache slots (a row plus its `slot_ids` entry), shared across layers in proportion to each
+   layer's full size (all its units' slots), so every layer can cache the same fraction of itself.
+
+The byte costs of 2 and 3 come from `NeuronCache.fixed_bytes` / `NeuronCache.slot_bytes`, the same
+place that allocates them, so the plan and the measured `nbytes` agree to the byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .._utils import format_bytes
+from ..errors import BudgetTooSmallError, ConfigError
+from .neuron_cache import NeuronCache
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """Per-layer capacities and where the budget's bytes go (`total_bytes <= budget_bytes`).
+
+    `cache_bytes` counts the cached rows; `index_bytes` the caches' indices and policy state.
+    """
+
+    capacities: list[int]
+    overhead_bytes: int
+    cache_bytes: int
+    index_bytes: int
+    total_bytes: int
+    budget_bytes: int
+
+
+def split_budget(
+    budget_bytes: int,
+    *,
+    unit_bytes: Sequence[int],
+    num_units: Sequence[int],
+    overhead_bytes: int,
+    policy: str = "lru",
+) -> BudgetPlan:
+    """Capacities for one cache per entry of `unit_bytes` / `num_units` (bytes per unit row, units).
+
+    Raises `BudgetTooSmallError`, naming the minimum, when the budget cannot hold the working
+    memory and the caches' indices; `ConfigError` for inconsistent arguments or an unknown policy.
+    """
+    if len(unit_bytes) != len(num_units):
+        raise ConfigError(f"unit_bytes has {len(unit_bytes)} entries but num_units has {len(num_units)}.")
+    if any(u <= 0 for u in unit_bytes) or any(n < 0 for n in num_units):
+        raise ConfigError("unit_bytes must be positive and num_units non-negative.")
+    if budget_bytes < 0 or overhead_bytes < 0:
+        raise ConfigError("budget_bytes and overhead_bytes must be non-negative.")
+
+    fixed_bytes = sum(NeuronCache.fixed_bytes(n, policy) for n in num_units)
+    minimum = overhead_bytes + fixed_bytes
+    if budget_bytes < minimum:
+        raise BudgetTooSmallError(
+            f"memory_budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is too small: "
+            f"streaming needs at least {format_bytes(minimum)} ({minimum} bytes), i.e. "
+            f"{format_bytes(overhead_bytes)} of working memory (one layer's misses and the reader's "
+            f"I/O buffer) plus {format_bytes(fixed_bytes)} of cache indices, before a single unit can be "
+            f"cached. Set a larger memory_budget.",
+            minimum_bytes=minimum,
+        )
+
+    slot_bytes = [NeuronCache.slot_bytes(u) for u in unit_bytes]
+    capacities = _fill(budget_bytes - minimum, slot_bytes, num_units)
+    cache_bytes = sum(c * u for c, u in zip(capacities, unit_bytes, strict=True))
+    index_bytes = fixed_bytes + sum(
+        c * (s - u) for c, s, u in zip(capacities, slot_bytes, unit_bytes, strict=True)
+    )
+    return BudgetPlan(
+        capacities=capacities,
+        overhead_bytes=overhead_bytes,
+        cache_bytes=cache_bytes,
+        index_bytes=index_bytes,
+        total_bytes=overhead_bytes + cache_bytes + index_bytes,
+        budget_bytes=budget_bytes,
+    )
+
+
+def _fill(spare: int, slot_bytes: Sequence[int], num_units: Sequence[int]) -> list[int]:
+    """Buy slots with `spare` bytes: proportional rounds, then one greedy pass for the crumbs.
+
+    Each round shares what is left among the layers not yet full, in proportion to their size;
+    a layer that fills up frees its share for the next round. When rounding leaves less than a
+    slot per layer, the largest layers take what still fits, so no layer with room could take
+    another slot when this returns.
+    """
+    layers = range(len(num_units))
+    capacities = [0] * len(num_units)
+    size = [n * s for n, s in zip(num_units, slot_bytes, strict=True)]
+
+    def left() -> int:
+        return spare - sum(c * s for c, s in zip(capacities, slot_bytes, strict=True))
+
+    while True:
+        open_layers = [i for i in layers if capacities[i] < num_units[i]]
+        weight = sum(size[i] for i in open_layers)
+        budget = left()
+        grew = False
+        for i in open_layers:
+            add = min(num_units[i] - capacities[i], budget * size[i] // weight // slot_bytes[i])
+            capacities[i] += add
+            grew = grew or add > 0
+        if not grew:
+            break
+
+    budget = left()
+    for i in sorted(layers, key=lambda i: -size[i]):
+        add = min(num_units[i] - capacities[i], budget // slot_bytes[i])
+        capacities[i] += add
+        budget -= add * slot_bytes[i]
+    return capacities

@@ -1,0 +1,234 @@
+"""`NeuronCache`: one layer's resident units in a preallocated matrix (LLM in a flash §3.3, Fig. 6).
+
+The rows live in a `[capacity, width]` matrix allocated once. Occupied slots are always
+`0 .. size-1`, so compute can use `rows[:size]` (with `slot_ids[:size]` naming the units) without
+gathering. A unit that leaves is replaced by the last occupied row (swap-delete: one row moved per
+deletion, never a reallocation or a shift); a unit that enters is appended at `size`, or, when the
+cache is full, written straight into the slot of the resident it displaces.
+
+Which units stay is the policy's call (`policies.py`); the cache applies one admission rule: free
+slots are filled first, then a candidate displaces the lowest-priority resident only while its
+priority is *strictly* greater. Equal priorities never churn, so when every unit is needed every
+step (density 1.0) a full cache stays as it is instead of thrashing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from .policies import EvictionPolicy, policy_state_bytes
+
+INDEX_DTYPE = torch.int64
+INDEX_ITEMSIZE = torch.empty((), dtype=INDEX_DTYPE).element_size()
+
+
+class NeuronCache(nn.Module):
+    """The resident units of one layer and one unit kind.
+
+    Args:
+        num_units: units of the layer (ids are `0 .. num_units-1`).
+        capacity: slots (0 disables the cache: every lookup misses).
+        width: elements per unit row.
+        dtype: element type of the rows.
+        policy: eviction policy for `num_units` units (a submodule: `.to()` moves its state).
+        device: where the rows and indices live.
+
+    Buffers (non-persistent: moved by `.to()`, absent from `state_dict()`):
+        rows: `[capacity, width]` unit rows; slots `0 .. size-1` are occupied.
+        slot_ids: `[capacity]` unit in each slot, -1 where free.
+        slot_of: `[num_units]` slot of each unit, -1 where not resident (the residency mask).
+
+    Counters (python ints, since the last `reset_counters`): `hits` and `misses` from `lookup`,
+    `admissions` (units written into a slot) and `evictions` (units that left: displaced or expired).
+    """
+
+    rows: torch.Tensor
+    slot_ids: torch.Tensor
+    slot_of: torch.Tensor
+
+    def __init__(
+        self,
+        num_units: int,
+        capacity: int,
+        width: int,
+        dtype: torch.dtype,
+        policy: EvictionPolicy,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if num_units < 0 or width < 0:
+            raise ConfigError(f"num_units and width must be non-negative, got {num_units} and {width}.")
+        if not 0 <= capacity <= num_units:
+            raise ConfigError(f"capacity must be between 0 and num_units={num_units}, got {capacity}.")
+        if policy.num_units != num_units:
+            raise ConfigError(f"The policy tracks {policy.num_units} units but the cache has {num_units}.")
+        self.num_units = num_units
+        self.capacity = capacity
+        self.width = width
+        self.policy = policy if device is None else policy.to(device)
+        self.register_buffer(
+            "rows", torch.zeros(capacity, width, dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "slot_ids", torch.full((capacity,), -1, dtype=INDEX_DTYPE, device=device), persistent=False
+        )
+        self.register_buffer(
+            "slot_of", torch.full((num_units,), -1, dtype=INDEX_DTYPE, device=device), persistent=False
+        )
+        self.size = 0
+        self.reset_counters()
+
+    # ---- accounting -------------------------------------------------------------------------
+    # The budget plan sizes caches with these two functions; `nbytes` measures the real buffers.
+
+    @staticmethod
+    def slot_bytes(unit_bytes: int) -> int:
+        """Bytes one slot costs: its row plus its `slot_ids` entry."""
+        return unit_bytes + INDEX_ITEMSIZE
+
+    @staticmethod
+    def fixed_bytes(num_units: int, policy: str) -> int:
+        """Bytes a cache costs whatever its capacity: `slot_of` and the policy's state."""
+        return num_units * INDEX_ITEMSIZE + policy_state_bytes(policy, num_units)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this cache's own buffers hold: rows, `slot_ids`, `slot_of` (not the policy's state)."""
+        return sum(t.numel() * t.element_size() for t in (self.rows, self.slot_ids, self.slot_of))
+
+    # ---- counters ---------------------------------------------------------------------------
+
+    def reset_counters(self) -> None:
+        """Zero hits, misses, evictions and admissions."""
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self.admissions = 0
+
+    # ---- queries ----------------------------------------------------------------------------
+
+    @property
+    def resident_ids(self) -> torch.Tensor:
+        """Units now resident, in slot order (a view: `rows[:size]` holds their rows)."""
+        return self.slot_ids[: self.size]
+
+    def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split the sorted unique unit ids `ids` into hits (with their slots) and misses.
+
+        Returns `(hit_ids, hit_slots, miss_ids)`, each in the order of `ids`; counts hits and misses.
+        """
+        slots = self.slot_of[ids]
+        hit = slots >= 0
+        hit_ids, hit_slots, miss_ids = ids[hit], slots[hit], ids[~hit]
+        self.hits += hit_ids.numel()
+        self.misses += miss_ids.numel()
+        return hit_ids, hit_slots, miss_ids
+
+    # ---- changes ----------------------------------------------------------------------------
+
+    def update(
+        self, used_ids: torch.Tensor, miss_ids: torch.Tensor, miss_rows: torch.Tensor, step: int
+    ) -> None:
+        """End decode step `step`: record what it used, drop expired units, admit the misses it read.
+
+        `used_ids` are all units the step needed (hits and misses); `miss_rows[i]` is the row of
+        `miss_ids[i]`. Which misses are kept, and whom they displace, follows the admission rule
+        in the module docstring.
+        """
+        self.policy.record(used_ids, step)
+        if self.size:
+            self._delete(self.policy.expired(self.resident_ids, step))
+        self._admit(miss_ids, miss_rows)
+
+    def preload(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Warm the cache with units `ids` (rows `rows`) under the admission rule; no hit/miss counted.
+
+        Nothing is recorded with the policy, so a preloaded unit keeps whatever priority its
+        history gives it (none yet: the lowest), and a window policy lets it go at the next update
+        unless a step uses it.
+        """
+        self._admit(ids, rows)
+
+    def clear(self) -> None:
+        """Empty the cache and forget the policy's history (a new sequence starts); counters stay."""
+        self.slot_of.fill_(-1)
+        self.slot_ids.fill_(-1)
+        self.size = 0
+        self.policy.reset()
+
+    def _rank(self, ids: torch.Tensor, *, descending: bool) -> torch.Tensor:
+        """Permutation of `ids` ordering them by policy priority, ties by ascending unit id.
+
+        Deterministic tie-breaking (not slot order) keeps the resident set a function of the trace.
+        """
+        by_id = torch.argsort(ids, stable=True)
+        by_priority = torch.argsort(self.policy.priority(ids[by_id]), descending=descending, stable=True)
+        return by_id[by_priority]
+
+    def _admit(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Admit the non-resident units among `ids`: fill free slots, then displace weaker residents."""
+        if self.capacity == 0 or ids.numel() == 0:
+            return
+        ids = ids.to(self.slot_of.device)
+        rows = rows.to(device=self.rows.device, dtype=self.rows.dtype)
+        fresh = torch.nonzero(self.slot_of[ids] < 0).squeeze(1)
+        order = fresh[self._rank(ids[fresh], descending=True)]  # indices into ids/rows, best first
+
+        n_fill = min(self.capacity - self.size, order.numel())
+        if n_fill:
+            take = order[:n_fill]
+            slots = torch.arange(self.size, self.size + n_fill, device=self.slot_ids.device)
+            self._place(slots, ids[take], rows[take])
+            self.size += n_fill
+            self.admissions += n_fill
+        rest = order[n_fill:]
+        if rest.numel() == 0:
+            return
+
+        # The cache is full. Pair the k-th best candidate with the k-th weakest resident: candidates
+        # fall and residents rise in priority, so "candidate strictly better" holds on a prefix.
+        victims = self._rank(self.resident_ids, descending=False)[: rest.numel()]  # slots, weakest first
+        rest = rest[: victims.numel()]
+        wins = self.policy.priority(ids[rest]) > self.policy.priority(self.slot_ids[victims])
+        n_swap = int(wins.sum())
+        if n_swap:
+            slots, take = victims[:n_swap], rest[:n_swap]
+            self.slot_of[self.slot_ids[slots]] = -1
+            self._place(slots, ids[take], rows[take])
+            self.evictions += n_swap
+            self.admissions += n_swap
+
+    def _place(self, slots: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write units `ids` with rows `rows` into `slots` and index them."""
+        self.rows[slots] = rows
+        self.slot_ids[slots] = ids
+        self.slot_of[ids] = slots
+
+    def _delete(self, doomed: torch.Tensor) -> None:
+        """Remove the residents flagged in `doomed` (a mask over slots `0 .. size-1`) by swap-delete.
+
+        Doomed slots below the new size are holes; they receive, in order, the surviving rows from
+        the tail `new_size .. size-1`. Both sets have the same count, so one vectorized move keeps
+        the occupied slots contiguous.
+        """
+        n_doomed = int(doomed.sum())
+        if n_doomed == 0:
+            return
+        new_size = self.size - n_doomed
+        self.slot_of[self.resident_ids[doomed]] = -1
+        holes = torch.nonzero(doomed[:new_size]).squeeze(1)
+        movers = torch.nonzero(~doomed[new_size:]).squeeze(1) + new_size
+        self.rows[holes] = self.rows[movers]
+        self.slot_ids[holes] = self.slot_ids[movers]
+        self.slot_of[self.slot_ids[holes]] = holes
+        self.slot_ids[new_size : self.size] = -1
+        self.size = new_size
+        self.evictions += n_doomed
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_units={self.num_units}, capacity={self.capacity}, width={self.width}, "
+            f"dtype={self.rows.dtype}, size={self.size}"
+        )

@@ -1,0 +1,187 @@
+"""Eviction policies of the neuron cache: which units are worth keeping, and which must go.
+
+A policy only ranks units; the cache (`NeuronCache`) does the moving. It sees every unit a decode
+step needs (`record`), answers how much each unit is worth keeping (`priority`, comparable
+between residents and candidates, so the cache can admit a miss only when it beats a resident),
+and may force units out whatever the pressure (`expired`, the sliding window of LLM in a flash
+§3.1). New policies (Adjacent Token Update, static, Belady, ...) join with `@register_policy`.
+
+State is a few int64 vectors of length `num_units`, held as non-persistent buffers: `.to()` moves
+them with the model, and `state_dict()` does not carry them (they describe one run, not the model).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import ClassVar, TypeVar
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+
+STATE_DTYPE = torch.int64
+"""Dtype of every policy state vector (steps and counts)."""
+
+_REGISTRY: dict[str, type[EvictionPolicy]] = {}
+
+P = TypeVar("P", bound="type[EvictionPolicy]")
+
+
+def register_policy(name: str) -> Callable[[P], P]:
+    """Class decorator: make the policy available to `make_policy(name, ...)` and `FlashConfig.policy`."""
+
+    def decorate(cls: P) -> P:
+        if name in _REGISTRY:
+            raise ValueError(f"An eviction policy named {name!r} is already registered ({_REGISTRY[name]}).")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorate
+
+
+def available_policies() -> list[str]:
+    """Names `make_policy` accepts, sorted."""
+    return sorted(_REGISTRY)
+
+
+def _policy_class(name: str) -> type[EvictionPolicy]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(
+            f"Unknown eviction policy {name!r}. Available policies: {', '.join(available_policies())}."
+        ) from None
+
+
+def make_policy(name: str, num_units: int, **options: object) -> EvictionPolicy:
+    """Build the policy registered as `name` for a layer of `num_units` units.
+
+    Raises `ConfigError` for an unknown name or an option the policy does not take.
+    """
+    cls = _policy_class(name)
+    try:
+        inspect.signature(cls).bind(num_units, **options)
+    except TypeError as exc:
+        raise ConfigError(f"Eviction policy {name!r}: {exc}.") from None
+    return cls(num_units, **options)
+
+
+def policy_state_bytes(name: str, num_units: int) -> int:
+    """Bytes of state the policy `name` allocates for `num_units` units (what the budget must count)."""
+    return _policy_class(name).state_bytes(num_units)
+
+
+class EvictionPolicy(nn.Module):
+    """Base of the cache's eviction policies.
+
+    Subclasses declare their per-unit state in `STATE` (buffer name -> initial value); the base
+    class allocates it, resets it, and derives `state_bytes` from it, so the budget and the
+    allocation cannot disagree.
+    """
+
+    name: ClassVar[str]
+    STATE: ClassVar[dict[str, int]] = {}
+
+    def __init__(self, num_units: int) -> None:
+        super().__init__()
+        if num_units < 0:
+            raise ConfigError(f"num_units must be non-negative, got {num_units}.")
+        self.num_units = num_units
+        for buffer, initial in self.STATE.items():
+            self.register_buffer(
+                buffer, torch.full((num_units,), initial, dtype=STATE_DTYPE), persistent=False
+            )
+
+    @classmethod
+    def state_bytes(cls, num_units: int) -> int:
+        """Bytes of the state buffers an instance for `num_units` units holds."""
+        itemsize = torch.empty((), dtype=STATE_DTYPE).element_size()
+        return len(cls.STATE) * num_units * itemsize
+
+    def reset(self) -> None:
+        """Forget all history (a new sequence starts)."""
+        for buffer, initial in self.STATE.items():
+            getattr(self, buffer).fill_(initial)
+
+    def record(self, ids: torch.Tensor, step: int) -> None:
+        """Note that the units `ids` (hits and misses alike) were used at decode step `step`."""
+        raise NotImplementedError
+
+    def priority(self, ids: torch.Tensor) -> torch.Tensor:
+        """int64 worth of keeping each unit: higher stays. Comparable across residents and candidates."""
+        raise NotImplementedError
+
+    def expired(self, ids: torch.Tensor, step: int) -> torch.Tensor:
+        """Which of the resident units `ids` must leave at `step` whatever the pressure (none by default)."""
+        return torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+
+    def extra_repr(self) -> str:
+        return f"num_units={self.num_units}"
+
+
+@register_policy("lru")
+class LRUPolicy(EvictionPolicy):
+    """Least recently used: priority is the last step a unit was used (-1 if never)."""
+
+    STATE = {"last_step": -1}
+    last_step: torch.Tensor
+
+    def record(self, ids: torch.Tensor, step: int) -> None:
+        self.last_step[ids] = step
+
+    def priority(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.last_step[ids]
+
+
+@register_policy("lfu")
+class LFUPolicy(EvictionPolicy):
+    """Least frequently used; among equally frequent units the least recent leaves first.
+
+    priority = count * 2**32 + last_step, so the count dominates and recency breaks ties (steps
+    stay below 2**31 in any realistic run).
+    """
+
+    STATE = {"count": 0, "last_step": -1}
+    count: torch.Tensor
+    last_step: torch.Tensor
+
+    def record(self, ids: torch.Tensor, step: int) -> None:
+        # index_add_ rather than `count[ids] += 1`, which would count a repeated id once.
+        self.count.index_add_(0, ids, torch.ones_like(ids, dtype=STATE_DTYPE))
+        self.last_step[ids] = step
+
+    def priority(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.count[ids] * 2**32 + self.last_step[ids]
+
+
+@register_policy("window")
+class WindowPolicy(EvictionPolicy):
+    """Sliding window (LLM in a flash §3.1): keep the units used by the last `window` tokens.
+
+    A unit last used at step s expires at step s + window even with free slots, which is what keeps
+    the cache at the window's aggregate working set. Under pressure it behaves as LRU.
+    """
+
+    STATE = {"last_step": -1}
+    last_step: torch.Tensor
+
+    def __init__(self, num_units: int, window: int = 4) -> None:
+        super().__init__(num_units)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ConfigError(f"The sliding window must be a positive number of tokens, got {window!r}.")
+        self.window = window
+
+    def record(self, ids: torch.Tensor, step: int) -> None:
+        self.last_step[ids] = step
+
+    def priority(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.last_step[ids]
+
+    def expired(self, ids: torch.Tensor, step: int) -> torch.Tensor:
+        return self.last_step[ids] <= step - self.window
+
+    def extra_repr(self) -> str:
+        return f"num_units={self.num_units}, window={self.window}"

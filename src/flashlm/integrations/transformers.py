@@ -1,0 +1,92 @@
+"""transformers integration: `FlashConfig` as a quantization config and `FlashQuantizer` as its
+`HfQuantizer`, so `from_pretrained(..., quantization_config=FlashConfig(...))` patches a model
+while it is still on the meta device. The quantizer is a thin adapter over `flashlm.patching`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from transformers.quantizers import HfQuantizer
+from transformers.quantizers.auto import (
+    AUTO_QUANTIZATION_CONFIG_MAPPING,
+    AUTO_QUANTIZER_MAPPING,
+    register_quantization_config,
+    register_quantizer,
+)
+
+from ..arch import find_mlps, mlp_weight_names, model_type_of, spec_for
+from ..config import QUANT_METHOD, FlashConfig
+from ..errors import ConfigError
+
+
+class FlashQuantizer(HfQuantizer):
+    """Swaps every MLP for a `StreamingMLP` before weights load; the MLP weights are never read.
+
+    The store is found (or converted, on first load) from the checkpoint files transformers
+    resolved. The MLP tensors in the checkpoint become expected-unexpected keys, which the loader
+    skips without materializing them.
+    """
+
+    requires_calibration = False
+
+    def __init__(self, quantization_config: FlashConfig, **kwargs) -> None:
+        super().__init__(quantization_config, **kwargs)
+
+    def validate_environment(self, *args, **kwargs) -> None:
+        device_map = kwargs.get("device_map")
+        if isinstance(device_map, dict) and "disk" in device_map.values():
+            mlp_on_disk = [k for k, v in device_map.items() if v == "disk" and "mlp" in k]
+            if mlp_on_disk:
+                raise ConfigError(
+                    f"device_map sends MLP modules {mlp_on_disk[:3]} to 'disk', but flashlm streams the MLPs "
+                    "itself: map them to 'cpu' (flashlm keeps only its cache in memory)."
+                )
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        from ..patching import open_store_for_checkpoint, replace_mlps
+
+        if not checkpoint_files or not str(checkpoint_files[0]).endswith(".safetensors"):
+            raise ConfigError(
+                "flashlm converts safetensors checkpoints; load this one without FlashConfig, then call "
+                "flashlm.patch(model, config), which converts from the weights in memory."
+            )
+        spec = spec_for(model_type_of(model.config))
+        owner_names = [name for _, name, _ in find_mlps(model, spec)]
+        store = open_store_for_checkpoint(Path(checkpoint_files[0]).parent, self.quantization_config)
+        replace_mlps(model, store, self.quantization_config)
+        streamed = [re.escape(key) for owner in owner_names for key in mlp_weight_names(spec, owner).values()]
+        model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | {
+            rf"^{key}$" for key in streamed
+        }
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        from ..patching import streaming_mlps
+
+        for module in streaming_mlps(model):
+            module.reset_state()
+        return model
+
+    def get_state_dict_and_metadata(self, model):
+        """The full state dict, the MLP weights read back from the store, so the saved checkpoint is complete."""
+        from ..patching import dense_mlp_weights
+
+        state_dict = dict(model.state_dict())
+        state_dict.update(dense_mlp_weights(model))
+        return state_dict, {}
+
+    def is_serializable(self) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return True
+
+
+def register() -> None:
+    """Make `quant_method="flashlm"` known to transformers (idempotent)."""
+    if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config(QUANT_METHOD)(FlashConfig)
+    if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
+        register_quantizer(QUANT_METHOD)(FlashQuantizer)

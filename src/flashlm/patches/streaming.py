@@ -1,0 +1,152 @@
+"""`StreamingMLP`: an MLP whose weights live in the store and pass through a budgeted neuron cache.
+
+Every unit (one neuron bundle: gate row ‖ up row ‖ down column, or fc1 row ‖ fc2 column) that a
+step needs is either resident in the layer's `NeuronCache` or read from the store into the
+runtime's shared staging buffer; the MLP is then computed from the two groups of rows, and the
+cache policy decides which of the freshly read units to keep. `method="dense"` needs every unit
+every step: exact dense streaming, the baseline every sparse method is measured against.
+"""
+
+from __future__ import annotations
+
+from time import perf_counter
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ..cache import NeuronCache
+
+if TYPE_CHECKING:
+    from ..runtime import FlashRuntime
+
+
+class StreamingMLP(nn.Module):
+    """Computes one MLP from streamed neuron bundles. Holds no `nn.Parameter`.
+
+    Args:
+        layer: index of the decoder layer, the store's key for this MLP.
+        runtime: the model's `FlashRuntime` (store reader, staging buffer, stats).
+        cache: this layer's neuron cache (a submodule: `.to()` moves its slots).
+        act: the activation module taken from the original MLP.
+        gated: `down(act(gate x) * up x)` if True, else `down(act(up x + b)) + b`.
+        up_bias, down_bias: biases of plain MLPs, kept resident.
+    """
+
+    def __init__(
+        self,
+        layer: int,
+        runtime: FlashRuntime,
+        cache: NeuronCache,
+        act: nn.Module,
+        *,
+        gated: bool,
+        d_model: int,
+        d_ff: int,
+        up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.layer = layer
+        self.runtime = runtime
+        self.cache = cache
+        self.act = act
+        self.gated = gated
+        self.d_model = d_model
+        self.d_ff = d_ff
+        self.register_buffer("unit_ids", torch.arange(d_ff), persistent=False)
+        self.register_buffer("up_bias", up_bias, persistent=False)
+        self.register_buffer("down_bias", down_bias, persistent=False)
+
+    @torch.no_grad()
+    def reset_state(self) -> None:
+        """Refill every buffer from its source: unit ids, biases from the store, an empty cache.
+
+        transformers' loader replaces all non-persistent buffers with uninitialized placeholders
+        after weight loading; the quantizer calls this once loading is done.
+        """
+        self.unit_ids.copy_(torch.arange(self.d_ff))
+        resident = self.runtime.store.resident(self.layer)
+        for name in ("up_bias", "down_bias"):
+            if getattr(self, name) is not None:
+                getattr(self, name).copy_(resident[name])
+        self.cache.clear()
+
+    def extra_repr(self) -> str:
+        return (
+            f"layer={self.layer}, d_model={self.d_model}, d_ff={self.d_ff}, gated={self.gated}, "
+            f"capacity={self.cache.capacity}"
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        runtime = self.runtime
+        if self.layer == 0:
+            runtime.stats.begin_step()
+        x = hidden_states.reshape(-1, self.d_model)
+        reader = runtime.reader
+        bytes_before, reads_before = reader.bytes_read, reader.reads_issued
+        hits_before, misses_before = self.cache.hits, self.cache.misses
+        evictions_before = self.cache.evictions
+
+        start = perf_counter()
+        _, _, miss_ids = self.cache.lookup(self.unit_ids)
+        looked_up = perf_counter()
+        missed = runtime.staging[: miss_ids.numel()]
+        if miss_ids.numel():
+            reader.read(runtime.store_key(self.layer), miss_ids, missed)
+        read_done = perf_counter()
+
+        groups = [(self.cache.rows[: self.cache.size], self.cache.slot_ids[: self.cache.size]), (missed, miss_ids)]
+        out = self._mlp([(rows, ids) for rows, ids in groups if ids.numel()], x)
+        computed = perf_counter()
+        self.cache.update(self.unit_ids, miss_ids, missed, runtime.stats.step)
+        updated = perf_counter()
+
+        runtime.stats.record(
+            self.layer,
+            tokens=x.shape[0],
+            bytes_read=reader.bytes_read - bytes_before,
+            reads=reader.reads_issued - reads_before,
+            hits=self.cache.hits - hits_before,
+            misses=self.cache.misses - misses_before,
+            evictions=self.cache.evictions - evictions_before,
+            io_s=read_done - looked_up,
+            cache_s=(looked_up - start) + (updated - computed),
+            compute_s=computed - read_done,
+        )
+        return out.reshape(hidden_states.shape)
+
+    def _mlp(self, groups: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+        """The MLP over the units in `groups` ((rows, unit ids) pairs that together cover what is needed).
+
+        The down projection sums over units; with more than one group the partial sums are added
+        in float32 and rounded once, so splitting the units between cache and staging changes the
+        result only by float32 reordering, not by an extra bf16 rounding.
+        """
+        partials = []
+        for rows, ids in groups:
+            rows = rows.to(device=x.device, dtype=x.dtype, non_blocking=True)
+            hidden, down = self._hidden(rows, ids, x)
+            partials.append((hidden, down))
+        if len(partials) == 1:
+            hidden, down = partials[0]
+            out = hidden @ down
+        else:
+            out = sum(hidden.float() @ down.float() for hidden, down in partials).to(x.dtype)
+        if self.down_bias is not None:
+            out = out + self.down_bias
+        return out
+
+    def _hidden(
+        self, rows: torch.Tensor, ids: torch.Tensor, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Intermediate activations of the units in `rows`, and their down-projection rows."""
+        d = self.d_model
+        if self.gated:
+            gate, up, down = rows[:, :d], rows[:, d : 2 * d], rows[:, 2 * d :]
+            return self.act(x @ gate.T) * (x @ up.T), down
+        up, down = rows[:, :d], rows[:, d:]
+        pre = x @ up.T
+        if self.up_bias is not None:
+            pre = pre + self.up_bias[ids.to(self.up_bias.device)]
+        return self.act(pre), down

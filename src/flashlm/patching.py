@@ -1,0 +1,220 @@
+"""`patch` / `unpatch`: swap every MLP of a model for a `StreamingMLP`, and back.
+
+`replace_mlps` is the one create-and-replace walk, shared by `patch` (a model already in memory)
+and the transformers quantizer (a model still on the meta device, before weight loading).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from ._utils import cache_dir
+from .arch import MLPSpec, find_mlps, mlp_weight_names, model_type_of, spec_for
+from .config import FlashConfig
+from .patches import StreamingMLP
+from .runtime import STREAMED_KIND, FlashRuntime
+from .stats import FlashStats
+from .store import ModuleSource, SafetensorsSource, Store, convert, mlp_content_sha256
+
+logger = logging.getLogger(__name__)
+
+
+def default_store_path(name: str, key: str) -> Path:
+    """Where a store lives when the config names none: `<cache>/stores/<name>-<key[:16]>.flash`."""
+    safe_name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name).name or "model")
+    return cache_dir() / "stores" / f"{safe_name}-{key[:16]}.flash"
+
+
+def open_store_for_checkpoint(checkpoint_dir: str | Path, config: FlashConfig, *, progress: bool = True) -> Store:
+    """The store of a safetensors checkpoint: opened and checked, or converted first if missing."""
+    source = SafetensorsSource(checkpoint_dir)
+    fingerprint = source.fingerprint()
+    path = Path(config.store).expanduser() if config.store else default_store_path(str(checkpoint_dir), fingerprint)
+    if not path.exists():
+        logger.warning("flashlm: no store at %s; converting %s (one pass over the checkpoint).", path, checkpoint_dir)
+        convert(source, path, progress=progress)
+    store = Store.open(path)
+    store.check_matches(model_type=source.model_type, fingerprint=fingerprint)
+    return store
+
+
+def open_store_for_module(model: nn.Module, config: FlashConfig, *, progress: bool = True) -> Store:
+    """The store of a model already in memory: opened and checked against its MLP weights, or converted."""
+    source = ModuleSource(model)
+    content = mlp_content_sha256(source)
+    name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    path = Path(config.store).expanduser() if config.store else default_store_path(name, content)
+    if not path.exists():
+        convert(source, path, progress=progress)
+    store = Store.open(path)
+    store.check_matches(model_type=source.model_type, content_sha256=content)
+    return store
+
+
+def _target(spec: MLPSpec, owner_name: str) -> tuple[str, list[str]]:
+    """Name of the module a `StreamingMLP` replaces, and sibling names that become `nn.Identity`.
+
+    Where the projections have an owner of their own (`layers.3.mlp`), the owner is replaced.
+    Where they sit on the decoder layer (OPT), the input projection is replaced and the
+    activation and output projection become identities, so the layer's forward computes
+    `identity(identity(streaming_mlp(x)))` unchanged.
+    """
+    if spec.owner:
+        return owner_name, []
+    return f"{owner_name}.{spec.up}", [f"{owner_name}.{spec.act}", f"{owner_name}.{spec.down}"]
+
+
+def replace_mlps(model: nn.Module, store: Store, config: FlashConfig) -> FlashRuntime:
+    """Swap every MLP of `model` for a `StreamingMLP` reading `store`; returns the shared runtime.
+
+    Works on a model on the meta device (nothing of the MLPs is read) or in memory (the dense
+    MLP weights are released). Caches are allocated on the CPU within `config.memory_budget`.
+    """
+    spec = spec_for(model_type_of(model.config))
+    owners = find_mlps(model, spec)
+    store.check_matches(num_layers=len(owners))
+    with torch.device("cpu"):
+        runtime = FlashRuntime(store, config)
+        for layer, owner_name, owner in owners:
+            resident = store.resident(layer)
+            streaming = StreamingMLP(
+                layer,
+                runtime,
+                runtime.make_cache(layer),
+                getattr(owner, spec.act),
+                gated=store.gated,
+                d_model=store.d_model,
+                d_ff=store.d_ff,
+                up_bias=resident.get("up_bias"),
+                down_bias=resident.get("down_bias"),
+            )
+            target, identities = _target(spec, owner_name)
+            streaming.original_class = type(owner) if spec.owner else None
+            model.set_submodule(target, streaming)
+            for name in identities:
+                model.set_submodule(name, nn.Identity())
+    return runtime
+
+
+def streaming_mlps(model: nn.Module) -> list[StreamingMLP]:
+    return [module for module in model.modules() if isinstance(module, StreamingMLP)]
+
+
+def _runtime_of(model: nn.Module) -> FlashRuntime:
+    modules = streaming_mlps(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} is not patched by flashlm: call flashlm.patch(model) first.")
+    return modules[0].runtime
+
+
+def patch(model: nn.Module, config: FlashConfig | None = None, *, progress: bool = True) -> nn.Module:
+    """Swap the MLPs of an already-loaded model for streaming ones, in place; returns the model.
+
+    The store named by `config.store` (or a default one in flashlm's cache) is checked against the
+    model's MLP weights, or converted from them if it does not exist. Use this to stack flashlm on
+    a model whose quantization slot is taken (bitsandbytes); otherwise prefer
+    `from_pretrained(..., quantization_config=FlashConfig(...))`, which never loads the MLPs.
+    """
+    config = config or FlashConfig()
+    if streaming_mlps(model):
+        raise ValueError("The model is already patched by flashlm; call flashlm.unpatch(model) first.")
+    spec_for(model_type_of(model.config))
+    store = open_store_for_module(model, config, progress=progress)
+    replace_mlps(model, store, config)
+    if getattr(model, "hf_quantizer", None) is None and hasattr(model, "config"):
+        from .integrations.transformers import FlashQuantizer
+
+        model.hf_quantizer = FlashQuantizer(config, pre_quantized=False)
+        model.config.quantization_config = config
+        model.is_quantized = True
+    return model
+
+
+def dense_mlp_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The original MLP tensors (checkpoint names), read back from the store: for saving and unpatching."""
+    spec = spec_for(model_type_of(model.config))
+    names = {id(module): name for name, module in model.named_modules()}
+    weights: dict[str, torch.Tensor] = {}
+    for module in streaming_mlps(model):
+        store = module.runtime.store
+        with safe_open(store.row_file(module.layer, STREAMED_KIND).path, framework="pt") as f:
+            rows = f.get_tensor("rows")
+        d = module.d_model
+        name = names[id(module)]
+        owner_name = name if spec.owner else name.rsplit(".", 1)[0]
+        keys = mlp_weight_names(spec, owner_name)
+        if module.gated:
+            gate, up = rows[:, :d], rows[:, d : 2 * d]
+            if "gate_up" in keys:
+                weights[keys["gate_up"]] = torch.cat([gate, up]).contiguous()
+            else:
+                weights[keys["gate"]], weights[keys["up"]] = gate.contiguous(), up.contiguous()
+            weights[keys["down"]] = rows[:, 2 * d :].T.contiguous()
+        else:
+            weights[keys["up"]] = rows[:, :d].contiguous()
+            weights[keys["down"]] = rows[:, d:].T.contiguous()
+            if module.up_bias is not None:
+                weights[keys["up_bias"]] = module.up_bias.detach().clone()
+                weights[keys["down_bias"]] = module.down_bias.detach().clone()
+    return weights
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Put dense MLPs back (weights read from the store), in place; returns the model."""
+    spec = spec_for(model_type_of(model.config))
+    weights = dense_mlp_weights(model)
+    runtime = _runtime_of(model)
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, StreamingMLP)]:
+        dtype = runtime.store.dtype
+        if spec.owner:
+            with torch.device("meta"):
+                dense = module.original_class(text_config)
+            dense = dense.to_empty(device="cpu").to(dtype)
+            model.set_submodule(name, dense)
+            owner_name = name
+        else:
+            owner_name = name.rsplit(".", 1)[0]
+            layer = model.get_submodule(owner_name)
+            d_model, d_ff = module.d_model, module.d_ff
+            bias = module.up_bias is not None
+            setattr(layer, spec.up, nn.Linear(d_model, d_ff, bias=bias, dtype=dtype))
+            setattr(layer, spec.down, nn.Linear(d_ff, d_model, bias=bias, dtype=dtype))
+            setattr(layer, spec.act, module.act)
+        for key in mlp_weight_names(spec, owner_name).values():
+            if key in weights:
+                target = model.get_parameter(key)
+                with torch.no_grad():
+                    target.copy_(weights[key])
+    runtime.close()
+    if getattr(model, "hf_quantizer", None) is not None and type(model.hf_quantizer).__name__ == "FlashQuantizer":
+        del model.hf_quantizer
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.is_quantized = False
+    return model
+
+
+def stats(model: nn.Module, *, reset: bool = False) -> FlashStats:
+    """Counters since the last reset: bytes read, reads, hits/misses, I/O / cache / compute time.
+
+    `reset=True` clears them after taking the snapshot (also the caches' counters).
+    """
+    modules = streaming_mlps(model)
+    runtime = _runtime_of(model)
+    snapshot = runtime.snapshot([module.cache for module in modules])
+    if reset:
+        runtime.stats.reset()
+        for module in modules:
+            module.cache.reset_counters()
+    return snapshot
+
+
+def reset_stats(model: nn.Module) -> None:
+    stats(model, reset=True)

@@ -1,0 +1,137 @@
+"""Per-step, per-layer I/O, cache and timing counters of a patched model (LLM in a flash, Table 3).
+
+A *step* is one forward pass of the model: a prefill step covers the prompt's tokens, a decode
+step one new token (per sequence). `StatsRecorder` collects one row per (step, layer) in flat
+arrays; `FlashStats` is the read-only snapshot `flashlm.stats(model)` returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._utils import format_bytes
+
+COUNTER_FIELDS = ("tokens", "bytes_read", "reads", "hits", "misses", "evictions")
+TIME_FIELDS = ("io_s", "cache_s", "compute_s")
+FIELDS = ("step", "layer", *COUNTER_FIELDS, *TIME_FIELDS)
+
+
+class StatsRecorder:
+    """Appends one row per (step, layer); cheap enough for the decode hot path."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple] = []
+        self.step = -1
+
+    def begin_step(self) -> None:
+        self.step += 1
+
+    def record(self, layer: int, **values: float) -> None:
+        self.rows.append((self.step, layer, *(values[name] for name in FIELDS[2:])))
+
+    def reset(self) -> None:
+        self.rows.clear()
+        self.step = -1
+
+    def snapshot(self, *, io_mode: str, resident_bytes: int, budget_bytes: int) -> FlashStats:
+        table = np.array(self.rows, dtype=np.float64).reshape(-1, len(FIELDS))
+        return FlashStats(table=table, io_mode=io_mode, resident_bytes=resident_bytes, budget_bytes=budget_bytes)
+
+
+@dataclass(frozen=True)
+class FlashStats:
+    """Counters of a patched model since the last reset.
+
+    `table` has one row per (step, layer) and the columns in `FIELDS`. `io_mode` says whether
+    reads bypassed the page cache ("direct") or not ("buffered: <why>"). `resident_bytes` is what
+    the caches and I/O buffers really allocated; `budget_bytes` the budget they were sized from.
+    """
+
+    table: np.ndarray
+    io_mode: str
+    resident_bytes: int
+    budget_bytes: int
+    _columns: dict[str, int] = field(default_factory=lambda: {name: i for i, name in enumerate(FIELDS)})
+
+    def column(self, name: str) -> np.ndarray:
+        return self.table[:, self._columns[name]]
+
+    @property
+    def num_steps(self) -> int:
+        return int(np.unique(self.column("step")).size)
+
+    def per_step(self) -> list[dict[str, float]]:
+        """Counters and times summed over layers, one dict per step; `tokens` is the step's token count."""
+        steps = self.column("step").astype(int)
+        out = []
+        for step in np.unique(steps):
+            rows = self.table[steps == step]
+            entry = {"step": int(step)}
+            for name in COUNTER_FIELDS[1:] + TIME_FIELDS:
+                entry[name] = float(rows[:, self._columns[name]].sum())
+            entry["tokens"] = float(rows[0, self._columns["tokens"]])
+            out.append(entry)
+        return out
+
+    def per_layer(self) -> list[dict[str, float]]:
+        """Counters and times summed over steps, one dict per layer."""
+        layers = self.column("layer").astype(int)
+        return [
+            {
+                "layer": int(layer),
+                **{
+                    name: float(self.table[layers == layer, self._columns[name]].sum())
+                    for name in COUNTER_FIELDS[1:] + TIME_FIELDS
+                },
+            }
+            for layer in np.unique(layers)
+        ]
+
+    def totals(self, *, decode_only: bool = False) -> dict[str, float]:
+        """Sums over steps and layers, with per-step means and the hit rate.
+
+        `decode_only` keeps the steps that processed one token per sequence: the per-token figures
+        of decoding, without the prompt's prefill step.
+        """
+        steps = self.per_step()
+        if decode_only and steps:
+            first_tokens = steps[-1]["tokens"]
+            steps = [s for s in steps if s["tokens"] == first_tokens and s["step"] != steps[0]["step"]]
+        total: dict[str, Any] = {name: sum(s[name] for s in steps) for name in COUNTER_FIELDS[1:] + TIME_FIELDS}
+        total["steps"] = len(steps)
+        lookups = total["hits"] + total["misses"]
+        total["hit_rate"] = total["hits"] / lookups if lookups else float("nan")
+        for name in ("bytes_read", "reads", *TIME_FIELDS):
+            total[f"{name}_per_step"] = total[name] / len(steps) if steps else float("nan")
+        return total
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "io_mode": self.io_mode,
+            "resident_bytes": self.resident_bytes,
+            "budget_bytes": self.budget_bytes,
+            "totals": self.totals(),
+            "decode": self.totals(decode_only=True),
+            "per_step": self.per_step(),
+            "per_layer": self.per_layer(),
+        }
+
+    def summary(self) -> str:
+        """One paragraph: per decode step bytes, reads, hit rate and the I/O / cache / compute split."""
+        t = self.totals(decode_only=True)
+        if not t["steps"]:
+            t = self.totals()
+        ms = {name: 1e3 * t[f"{name}_per_step"] for name in TIME_FIELDS}
+        return (
+            f"{t['steps']} steps | per step: {format_bytes(t['bytes_read_per_step'])} read in "
+            f"{t['reads_per_step']:.0f} reads, hit rate {t['hit_rate']:.1%} | "
+            f"I/O {ms['io_s']:.1f} ms, cache {ms['cache_s']:.1f} ms, compute {ms['compute_s']:.1f} ms | "
+            f"reads {self.io_mode} | resident {format_bytes(self.resident_bytes)} "
+            f"of {format_bytes(self.budget_bytes)} budget"
+        )
+
+    def __str__(self) -> str:
+        return self.summary()

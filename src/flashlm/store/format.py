@@ -1,0 +1,387 @@
+"""The on-disk store: a directory of aligned safetensors row files plus `manifest.json`, and `Store`.
+
+Layout of a store directory:
+
+    manifest.json                      what the store holds (see `Store`), written last
+    layers/{layer:03d}.{kind}.safetensors
+                                       one 2-D tensor named "rows"; one row is one cache unit
+    resident.safetensors               plain-MLP biases, `layers.{i}.up_bias` / `layers.{i}.down_bias`
+                                       (only when the checkpoint has them)
+
+Every safetensors header is padded with spaces so that tensor data starts at a multiple of
+`ALIGNMENT`: the files stay loadable by `safetensors.safe_open`, and the reader can use O_DIRECT.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..errors import StoreCorruptError, StoreMismatchError, StoreNotFoundError
+from .rowfile import ALIGNMENT, RowFile
+from .sources import TensorSource, load_mlp, mlp_owners, read_safetensors_header
+
+FORMAT = "flashlm-store"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+RESIDENT = "resident.safetensors"
+ROWS = "rows"
+
+KINDS = ("bundle", "dip_in", "dip_down")
+"""Unit kinds, in the order a store lists them. `bundle` suits every MLP; the DIP kinds need a gated one."""
+
+GATED_ONLY_KINDS = ("dip_in", "dip_down")
+
+KIND_LAYOUTS = {
+    ("bundle", True): "row j = gate[j, :] | up[j, :] | down[:, j]",
+    ("bundle", False): "row j = up[j, :] | down[:, j]",
+    ("dip_in", True): "row i = up[:, i] | gate[:, i]",
+    ("dip_down", True): "row j = down[:, j]",
+}
+"""What one row of each kind holds, for gated (True) and plain (False) MLPs; recorded in the manifest."""
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+_CONVERT_HINT = "convert it with `flashlm convert SRC DST` (or `flashlm.store.convert(src, dst)`)"
+_RECONVERT_HINT = "Delete the store and convert again."
+
+
+def kinds_for(gated: bool) -> tuple[str, ...]:
+    """Every unit kind a store of a gated (or plain) MLP can hold."""
+    return KINDS if gated else tuple(k for k in KINDS if k not in GATED_ONLY_KINDS)
+
+
+def row_file_name(layer: int, kind: str) -> str:
+    """Path of one layer's matrix of one kind, relative to the store directory."""
+    return f"layers/{layer:03d}.{kind}.safetensors"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` -> `'bfloat16'`, the manifest's spelling."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """`'bfloat16'` (or `'torch.bfloat16'`) -> `torch.bfloat16`; ValueError naming the supported ones."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if dtype not in _SAFETENSORS_DTYPES:
+        supported = ", ".join(dtype_name(d) for d in _SAFETENSORS_DTYPES)
+        raise ValueError(f"A store cannot hold dtype {name!r}; supported: {supported}.")
+    return dtype
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def write_aligned_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Write `tensors` (contiguous, CPU) as a safetensors file whose data starts at a multiple of
+    `ALIGNMENT`, fsync it, and return its manifest entry: `{"size", "data_offset"}`.
+
+    Written by hand rather than with `safetensors.torch.save_file` to control the header padding
+    (spaces after the JSON, which the safetensors format allows) and to write straight from each
+    tensor's memory.
+    """
+    entries = {}
+    offset = 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"A store cannot hold dtype {tensor.dtype}; convert with another `dtype=`.")
+        nbytes = tensor.numel() * tensor.element_size()
+        entries[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-(8 + len(header)) % ALIGNMENT)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        for tensor in tensors.values():
+            f.write(_raw_bytes(tensor))
+        f.flush()
+        os.fsync(f.fileno())
+    return {"size": 8 + len(header) + offset, "data_offset": 8 + len(header)}
+
+
+def update_content_hash(digest: hashlib._Hash, tensors: dict[str, torch.Tensor]) -> None:
+    """Feed one MLP's tensors (from `load_mlp`, so in canonical role order and store dtype) to `digest`."""
+    for tensor in tensors.values():
+        digest.update(_raw_bytes(tensor))
+
+
+def mlp_content_sha256(source: TensorSource, dtype: torch.dtype | None = None) -> str:
+    """sha256 of a source's MLP weights as a store converted with `dtype` would hold them.
+
+    Layer by layer, role by role in `mlp_weight_names` order, the contiguous bytes in `dtype`
+    (`None`: the source's dtype). Equals the `content_sha256` that `convert` records, whatever
+    the source kind, so an in-memory model can be checked against a store.
+    """
+    spec, owners = mlp_owners(source)
+    digest = hashlib.sha256()
+    for owner in owners:
+        tensors = load_mlp(source, spec, owner, dtype)
+        dtype = tensors["down"].dtype
+        update_content_hash(digest, tensors)
+    return digest.hexdigest()
+
+
+class Store:
+    """An opened, validated store. Holds no open files: readers open `row_file(...)` paths themselves.
+
+    Use `Store.open(path)`; it checks the manifest and every file's size and header, so a store
+    that opens is complete.
+    """
+
+    def __init__(self, path: Path, manifest: dict) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.model_type: str = manifest["model_type"]
+        self.family: str = manifest["family"]
+        self.num_layers: int = manifest["num_layers"]
+        self.d_model: int = manifest["d_model"]
+        self.d_ff: int = manifest["d_ff"]
+        self.gated: bool = manifest["gated"]
+        self.has_bias: bool = manifest["has_bias"]
+        self.dtype: torch.dtype = dtype_from_name(manifest["dtype"])
+        self.kinds: tuple[str, ...] = tuple(manifest["kinds"])
+        self._row_files = {
+            (layer, kind): RowFile(
+                path=path / row_file_name(layer, kind),
+                data_offset=manifest["files"][row_file_name(layer, kind)]["data_offset"],
+                rows=layout["rows"],
+                width=layout["width"],
+                dtype=self.dtype,
+            )
+            for kind, layout in manifest["kinds"].items()
+            for layer in range(self.num_layers)
+        }
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> Store:
+        """Open and validate the store at `path`.
+
+        Raises `StoreNotFoundError` when `path` holds no store, and `StoreCorruptError` when its
+        manifest or files are damaged, truncated or of another format version.
+        """
+        path = Path(path).expanduser()
+        manifest_path = path / MANIFEST
+        if not path.is_dir():
+            raise StoreNotFoundError(f"No flashlm store at {path}: {_CONVERT_HINT}.")
+        if not manifest_path.is_file():
+            raise StoreNotFoundError(
+                f"{path} is not a flashlm store (it has no {MANIFEST}): {_CONVERT_HINT}."
+            )
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise StoreCorruptError(
+                f"The manifest of the store {path} is unreadable ({exc}). {_RECONVERT_HINT}"
+            ) from exc
+        _check_manifest(path, manifest)
+        store = cls(path, manifest)
+        store._check_files()
+        return store
+
+    def _check_files(self) -> None:
+        files = self.manifest["files"]
+        for relative, entry in files.items():
+            _check_size(self.path, relative, entry)
+        for (layer, kind), row_file in self._row_files.items():
+            relative = row_file_name(layer, kind)
+            expected = {
+                "dtype": _SAFETENSORS_DTYPES[self.dtype],
+                "shape": [row_file.rows, row_file.width],
+                "data_offsets": [0, row_file.nbytes],
+            }
+            header_bytes, header = _read_header(self.path, relative)
+            header.pop("__metadata__", None)
+            if header != {ROWS: expected} or 8 + len(header_bytes) != row_file.data_offset:
+                raise StoreCorruptError(
+                    f"{self.path / relative} does not hold the [{row_file.rows}, {row_file.width}] "
+                    f"{dtype_name(self.dtype)} matrix at byte {row_file.data_offset} that the manifest "
+                    f"describes. {_RECONVERT_HINT}"
+                )
+            if files[relative]["size"] != row_file.data_offset + row_file.nbytes:
+                raise StoreCorruptError(
+                    f"The manifest of {self.path} gives {relative} a size that does not fit its matrix. "
+                    f"{_RECONVERT_HINT}"
+                )
+        if RESIDENT in files:
+            _read_header(self.path, RESIDENT)
+
+    @property
+    def content_sha256(self) -> str:
+        """sha256 of the MLP weights the store holds (see `mlp_content_sha256`)."""
+        return self.manifest["source"]["content_sha256"]
+
+    @property
+    def fingerprint(self) -> str | None:
+        """The source checkpoint's fingerprint (`SafetensorsSource.fingerprint`), or None."""
+        return self.manifest["source"].get("fingerprint")
+
+    def row_file(self, layer: int, kind: str) -> RowFile:
+        """Where layer `layer`'s matrix of `kind` lies on disk."""
+        if kind not in self.kinds:
+            raise ValueError(
+                f"The store {self.path} holds no {kind!r} units; it holds {', '.join(self.kinds)}. "
+                f"Convert again with kinds including {kind!r}."
+            )
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"Layer {layer} is out of range: the store has layers 0..{self.num_layers - 1}.")
+        return self._row_files[(layer, kind)]
+
+    def row_files(self, kind: str) -> dict[int, RowFile]:
+        """Every layer's matrix of `kind`, by layer."""
+        return {layer: self.row_file(layer, kind) for layer in range(self.num_layers)}
+
+    def nbytes(self, kind: str = "bundle") -> int:
+        """Bytes of all layers' matrices of `kind` (what streaming every unit of every layer reads)."""
+        return sum(f.nbytes for f in self.row_files(kind).values())
+
+    def resident(self, layer: int) -> dict[str, torch.Tensor]:
+        """Layer `layer`'s always-in-memory tensors (`up_bias`, `down_bias`), or an empty dict."""
+        if RESIDENT not in self.manifest["files"]:
+            return {}
+        prefix = f"layers.{layer}."
+        with safe_open(self.path / RESIDENT, framework="pt") as f:
+            names = [name for name in f.keys() if name.startswith(prefix)]  # noqa: SIM118 (not a dict)
+            return {name.removeprefix(prefix): f.get_tensor(name) for name in names}
+
+    def check_matches(
+        self,
+        *,
+        model_type: str | None = None,
+        num_layers: int | None = None,
+        d_model: int | None = None,
+        d_ff: int | None = None,
+        fingerprint: str | None = None,
+        content_sha256: str | None = None,
+    ) -> None:
+        """Raise `StoreMismatchError` naming every given field that differs from the store's.
+
+        Fields left None are not checked; `fingerprint` only when the store recorded one.
+        """
+        expected = {
+            "model_type": model_type,
+            "num_layers": num_layers,
+            "d_model": d_model,
+            "d_ff": d_ff,
+            "fingerprint": fingerprint,
+            "content_sha256": content_sha256,
+        }
+        actual = {
+            "model_type": self.model_type,
+            "num_layers": self.num_layers,
+            "d_model": self.d_model,
+            "d_ff": self.d_ff,
+            "fingerprint": self.fingerprint,
+            "content_sha256": self.content_sha256,
+        }
+        differences = [
+            f"{field}: store has {actual[field]!r}, expected {value!r}"
+            for field, value in expected.items()
+            if value is not None and actual[field] is not None and actual[field] != value
+        ]
+        if differences:
+            raise StoreMismatchError(
+                f"The store {self.path} does not match the model: {'; '.join(differences)}. "
+                "It was converted from another checkpoint: delete it (it is converted again on the next "
+                "load) or pass another `store=` path."
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"Store({str(self.path)!r}, {self.model_type}, {self.num_layers} layers, d_model={self.d_model}, "
+            f"d_ff={self.d_ff}, {dtype_name(self.dtype)}, kinds={self.kinds})"
+        )
+
+
+_REQUIRED_KEYS = {
+    "model_type": str,
+    "family": str,
+    "num_layers": int,
+    "d_model": int,
+    "d_ff": int,
+    "gated": bool,
+    "has_bias": bool,
+    "dtype": str,
+    "alignment": int,
+    "kinds": dict,
+    "files": dict,
+    "source": dict,
+}
+
+
+def _check_manifest(path: Path, manifest: object) -> None:
+    """StoreCorruptError unless `manifest` is a complete version-1 flashlm manifest."""
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise StoreCorruptError(f"{path / MANIFEST} is not a flashlm store manifest. {_RECONVERT_HINT}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise StoreCorruptError(
+            f"The store {path} has format version {manifest.get('format_version')!r} (written by "
+            f"flashlm {manifest.get('flashlm_version')}); this flashlm reads version {FORMAT_VERSION}. "
+            f"{_RECONVERT_HINT}"
+        )
+    for key, kind in _REQUIRED_KEYS.items():
+        if not isinstance(manifest.get(key), kind):
+            raise StoreCorruptError(f"The manifest of {path} lacks a valid {key!r}. {_RECONVERT_HINT}")
+    try:
+        dtype_from_name(manifest["dtype"])
+    except ValueError as exc:
+        raise StoreCorruptError(f"The manifest of {path}: {exc} {_RECONVERT_HINT}") from exc
+    if manifest["alignment"] != ALIGNMENT or not isinstance(manifest["source"].get("content_sha256"), str):
+        raise StoreCorruptError(f"The manifest of {path} is inconsistent. {_RECONVERT_HINT}")
+    unknown = set(manifest["kinds"]) - set(kinds_for(manifest["gated"]))
+    if unknown or not manifest["kinds"]:
+        raise StoreCorruptError(
+            f"The manifest of {path} lists invalid unit kinds {sorted(unknown)}. {_RECONVERT_HINT}"
+        )
+    for kind, layout in manifest["kinds"].items():
+        if not all(isinstance(layout.get(k), int) for k in ("rows", "width", "row_bytes")):
+            raise StoreCorruptError(f"The manifest of {path} lacks the layout of {kind!r}. {_RECONVERT_HINT}")
+        for layer in range(manifest["num_layers"]):
+            entry = manifest["files"].get(row_file_name(layer, kind))
+            if not isinstance(entry, dict) or not all(
+                isinstance(entry.get(k), int) for k in ("size", "data_offset")
+            ):
+                raise StoreCorruptError(
+                    f"The manifest of {path} does not list {row_file_name(layer, kind)}. {_RECONVERT_HINT}"
+                )
+
+
+def _check_size(path: Path, relative: str, entry: dict) -> None:
+    try:
+        size = (path / relative).stat().st_size
+    except OSError as exc:
+        raise StoreCorruptError(
+            f"The store {path} lacks {relative} ({exc.strerror}). {_RECONVERT_HINT}"
+        ) from exc
+    if size != entry["size"]:
+        raise StoreCorruptError(
+            f"{path / relative} has {size} bytes, the manifest says {entry['size']}: the store is truncated "
+            f"or damaged. {_RECONVERT_HINT}"
+        )
+
+
+def _read_header(path: Path, relative: str) -> tuple[bytes, dict]:
+    try:
+        return read_safetensors_header(path / relative)
+    except ValueError as exc:
+        raise StoreCorruptError(f"{exc} {_RECONVERT_HINT}") from exc

@@ -1,0 +1,439 @@
+"""`StoreReader`: planned, coalesced, parallel reads of store rows, with O_DIRECT where it works.
+
+Units are small (a SmolLM2 down column is 1152 bytes) and this disk pays a fixed latency per
+request, so the reader *plans* each call: sorted ids become byte ranges, adjacent rows become one
+run, and two runs separated by a gap cheaper to read than to skip are merged, over-reading the
+gap ("read more than needed, in larger chunks, then discard", LLM in a flash §2.2). With O_DIRECT
+every request is the 4096-aligned superset of what it wants. Runs are cut into chunks that a
+thread pool reads in parallel (`os.preadv` releases the GIL) into one preallocated, page-aligned
+buffer; the wanted rows are then gathered from it into the caller's tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import sys
+import threading
+from collections.abc import Hashable, Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, FlashLMError, StoreCorruptError, StoreNotFoundError
+from .rowfile import ALIGNMENT, RowFile
+
+# Defaults measured on the development disk (virtio /dev/vda, ext4, 2 cores) with
+#   python benchmarks/reader_throughput.py --size 1GB --out /var/tmp/reader_throughput.json
+# O_DIRECT random reads over a 1 GB file, 1.5 s per cell (MB/s):
+#   chunk \ threads     1      2      4      8     16
+#   4 KiB              54     82    136    205    207   (13.1k .. 50.5k reads/s)
+#   32 KiB            241    466    602    825   1108
+#   64 KiB            584    802   1067   1544   1576
+#   256 KiB          1266   1613   1526   1561   1441
+#   1 MiB            1554   1466   1542   1321   1072
+# 4 KiB latency on 1 thread: 101 us mean (97 us p50); best bandwidth 1671 MB/s (512 KiB x 2).
+# A second run (--seconds 1) agreed: 64 KiB x 8 threads 1637 MB/s, 20.0 us per 4 KiB read -> 32 KiB gap.
+# 64 KiB x 8 threads is the smallest chunk within 10% of the best, so chunks of 64 KiB on 8 threads.
+# The cost of one more request in a reader running 8 requests at a time is not the 1-thread
+# latency but its share of the pipeline: 1 / 50.1k 4 KiB reads/s at 8 threads = 20 us; times the
+# 1544 MB/s bandwidth at those settings -> 30.8 KB -> a 28 KiB merge gap. A sweep of StoreReader
+# calls on 3456-byte rows (5-50% of 1536 rows, 8 threads) agrees: fastest at 16-32 KiB, slower at 0
+# (25%: 9.8 ms vs 4.6 ms per call) and at >= 128 KiB, the gap the 1-thread latency would give (160 KiB).
+MEASURED_REQUEST_COST_S = 1 / 50_060
+"""Amortized time of one 4 KiB O_DIRECT random read with 8 requests in flight (seconds)."""
+MEASURED_BANDWIDTH = 1544e6
+"""Random-read bandwidth in 64 KiB chunks on 8 threads (bytes/s)."""
+DEFAULT_THREADS = 8
+"""Reader threads: 64 KiB reads gain under 10% past 8 threads (1544 -> 1576 MB/s at 16)."""
+DEFAULT_CHUNK_BYTES = 64 * 1024
+"""Largest single request: the smallest chunk within 10% of the best measured bandwidth."""
+
+
+def break_even_gap_bytes(latency_s: float, bandwidth: float, alignment: int = ALIGNMENT) -> int:
+    """Largest gap between two runs worth over-reading rather than skipping with a second request.
+
+    Reading the gap costs `gap / bandwidth`; a second request costs one more `latency`. Merging
+    wins while `gap / bandwidth < latency`, so the break-even gap is `latency * bandwidth`,
+    rounded down to whole `alignment` blocks (what an O_DIRECT gap is made of). For a reader
+    with several requests in flight, `latency` is the amortized cost of one request at that
+    concurrency (1 / small-read rate), not the single-thread latency.
+    """
+    if latency_s < 0 or bandwidth <= 0:
+        raise ConfigError(f"Need latency >= 0 and bandwidth > 0, got {latency_s} s and {bandwidth} B/s.")
+    return int(latency_s * bandwidth) // alignment * alignment
+
+
+DEFAULT_MERGE_GAP_BYTES = break_even_gap_bytes(MEASURED_REQUEST_COST_S, MEASURED_BANDWIDTH)
+"""Gap below which two runs are read as one (the latency x bandwidth model on the measured disk)."""
+
+
+class DirectIOUnavailableError(FlashLMError, OSError):
+    """`direct_io=True` was asked for, but a store file cannot be opened with O_DIRECT."""
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """The requests that serve one call, and where each wanted row lies in them.
+
+    Runs are in file order and do not overlap, except the pieces of a run cut to fit the buffer,
+    which may share the block a row straddles (read twice, counted twice). `run_ends` are
+    request ends (aligned with O_DIRECT), `run_needed_ends` the end of each run's last wanted
+    row: a read that stops at end-of-file before it means the file is truncated, one that stops
+    after it is only the aligned tail of a file whose size is not a multiple of the block size.
+    """
+
+    run_starts: np.ndarray
+    run_ends: np.ndarray
+    run_needed_ends: np.ndarray
+    row_runs: np.ndarray
+    row_starts: np.ndarray
+
+    @property
+    def run_bytes(self) -> np.ndarray:
+        return self.run_ends - self.run_starts
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.run_bytes.sum())
+
+
+def plan_reads(
+    ids: np.ndarray,
+    row_bytes: int,
+    data_offset: int,
+    *,
+    alignment: int,
+    merge_gap_bytes: int,
+    max_run_bytes: int,
+) -> ReadPlan:
+    """Turn sorted unique row ids into runs of bytes to request (vectorized: no loop per row).
+
+    Each row's extent is widened to `alignment` (1 for buffered reads); consecutive extents that
+    overlap, touch or lie at most `merge_gap_bytes` apart join one run. A run longer than
+    `max_run_bytes` (the I/O buffer) is cut at row boundaries into pieces that fit.
+    """
+    starts = data_offset + ids.astype(np.int64) * row_bytes
+    ends = starts + row_bytes
+    lo = starts // alignment * alignment
+    hi = -(-ends // alignment) * alignment
+    breaks = np.empty(len(ids), dtype=bool)
+    breaks[:1] = True
+    breaks[1:] = lo[1:] - hi[:-1] > merge_gap_bytes
+    first, last, runs = _runs(breaks)
+    oversize = hi[last] - lo[first] > max_run_bytes
+    if oversize.any():
+        # Rows whose starts fall in the same `span`-long window of their run share a piece; a
+        # piece then covers < span + row_bytes + 2 * (alignment - 1) = max_run_bytes bytes.
+        span = max_run_bytes - row_bytes - 2 * (alignment - 1)
+        piece = (starts - starts[first][runs]) // span
+        breaks[1:] |= oversize[runs[1:]] & (piece[1:] != piece[:-1])
+        first, last, runs = _runs(breaks)
+    return ReadPlan(lo[first], hi[last], ends[last], runs, starts)
+
+
+def _runs(breaks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """First row, last row of every run, and each row's run, from a mask of rows opening a run."""
+    first = np.flatnonzero(breaks)
+    last = np.append(first[1:] - 1, len(breaks) - 1)
+    return first, last, np.cumsum(breaks) - 1
+
+
+def split_chunks(
+    starts: np.ndarray, ends: np.ndarray, chunk_bytes: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cut runs `[starts, ends)` into requests of at most `chunk_bytes`: (run, offset in run, length)."""
+    counts = -(-(ends - starts) // chunk_bytes)
+    run = np.repeat(np.arange(len(starts)), counts)
+    index = np.arange(len(run)) - np.repeat(np.cumsum(counts) - counts, counts)
+    offset = index * chunk_bytes
+    return run, offset, np.minimum(chunk_bytes, (ends - starts)[run] - offset)
+
+
+class StoreReader:
+    """Reads rows of store files into caller-owned tensors: planned, coalesced, parallel, counted.
+
+    Every file is opened once, here; so are the thread pool and the I/O buffer. `read` may be
+    called from any thread, one call at a time (a lock serializes calls: they share the buffer).
+
+    Args:
+        files: what to read, by key (the runtime uses `(layer, kind)`).
+        direct_io: `None` uses O_DIRECT where the file system allows it and falls back to buffered
+            reads otherwise (`fallback_reason` says why); `True` requires it
+            (`DirectIOUnavailableError` otherwise); `False` reads through the page cache.
+        threads: parallel readers (`DEFAULT_THREADS`, measured).
+        chunk_bytes: largest single request, a multiple of 4096 (`DEFAULT_CHUNK_BYTES`, measured).
+        merge_gap_bytes: runs at most this far apart are read as one (`DEFAULT_MERGE_GAP_BYTES`,
+            the latency x bandwidth model; 0 merges only touching runs).
+        buffer_bytes: size of the I/O buffer; a call needing more is served in batches. Default:
+            the largest file's size plus two alignment blocks, so any call fits in one batch.
+    """
+
+    mode: str
+    fallback_reason: str | None
+    bytes_read: int
+    reads_issued: int
+    buffer_bytes: int
+
+    def __init__(
+        self,
+        files: Mapping[Hashable, RowFile],
+        *,
+        direct_io: bool | None = None,
+        threads: int | None = None,
+        chunk_bytes: int | None = None,
+        merge_gap_bytes: int | None = None,
+        buffer_bytes: int | None = None,
+    ) -> None:
+        if not files:
+            raise ConfigError("StoreReader needs at least one file to read.")
+        self.threads = DEFAULT_THREADS if threads is None else threads
+        self.chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        self.merge_gap_bytes = DEFAULT_MERGE_GAP_BYTES if merge_gap_bytes is None else merge_gap_bytes
+        largest_row = max(f.row_bytes for f in files.values())
+        min_buffer = largest_row + 2 * ALIGNMENT
+        wanted = (
+            max(f.nbytes for f in files.values()) + 2 * ALIGNMENT if buffer_bytes is None else buffer_bytes
+        )
+        if self.threads < 1:
+            raise ConfigError(f"threads must be at least 1, got {self.threads}.")
+        if self.chunk_bytes < ALIGNMENT or self.chunk_bytes % ALIGNMENT:
+            raise ConfigError(
+                f"chunk_bytes must be a positive multiple of {ALIGNMENT}, got {self.chunk_bytes}."
+            )
+        if self.merge_gap_bytes < 0:
+            raise ConfigError(f"merge_gap_bytes must be non-negative, got {self.merge_gap_bytes}.")
+        if wanted < min_buffer:
+            raise ConfigError(
+                f"buffer_bytes={wanted} cannot hold one row ({largest_row} bytes) plus alignment padding: "
+                f"use at least {min_buffer}."
+            )
+
+        self.files = dict(files)
+        self.bytes_read = 0
+        self.reads_issued = 0
+        self._fds: dict[Hashable, int] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._closed = True  # until everything below exists
+        self._open_all(direct_io)
+        self.buffer_bytes = -(-wanted // ALIGNMENT) * ALIGNMENT
+        self._buffer = mmap.mmap(-1, self.buffer_bytes)  # anonymous: page-aligned, as O_DIRECT needs
+        self._view = memoryview(self._buffer)
+        self._windows: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        if self.threads > 1:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="flashlm-reader")
+        self._closed = False
+
+    def _open_all(self, direct_io: bool | None) -> None:
+        """Open every file once; settle `mode` and `fallback_reason`."""
+        self.fallback_reason = None
+        direct_flag = getattr(os, "O_DIRECT", None)
+        if direct_io is not False and direct_flag is None:
+            self.fallback_reason = f"O_DIRECT is not available on {sys.platform}"
+        elif direct_io is not False:
+            for key, f in self.files.items():
+                try:
+                    self._fds[key] = self._open(f, os.O_RDONLY | direct_flag)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        self._close_fds()
+                        raise
+                    self.fallback_reason = f"O_DIRECT not supported by the file system of {f.path}"
+                    break
+        if direct_io is True and self.fallback_reason is not None:
+            self._close_fds()
+            raise DirectIOUnavailableError(
+                errno.EINVAL,
+                f"direct_io=True, but {self.fallback_reason}. Put the store on a disk file system "
+                "(ext4, xfs, ...) or pass direct_io=None to fall back to buffered reads.",
+            )
+        self.mode = "direct" if direct_io is not False and self.fallback_reason is None else "buffered"
+        if self.mode == "buffered":
+            self._close_fds()
+            for key, f in self.files.items():
+                self._fds[key] = self._open(f, os.O_RDONLY)
+                if hasattr(os, "posix_fadvise"):
+                    # Reads are planned already; kernel readahead would only over-read.
+                    os.posix_fadvise(self._fds[key], 0, 0, os.POSIX_FADV_RANDOM)
+
+    def _open(self, f: RowFile, flags: int) -> int:
+        try:
+            fd = os.open(f.path, flags)
+        except FileNotFoundError as exc:
+            self._close_fds()
+            raise StoreNotFoundError(f"Store file {f.path} does not exist: is the store complete?") from exc
+        size = os.fstat(fd).st_size
+        if size < f.data_offset + f.nbytes:
+            os.close(fd)
+            self._close_fds()
+            raise StoreCorruptError(
+                f"Store file {f.path} is truncated: {size} bytes, but its {f.rows} rows end at byte "
+                f"{f.data_offset + f.nbytes}. Convert the store again."
+            )
+        return fd
+
+    def _close_fds(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def plan(self, key: Hashable, ids: torch.Tensor) -> ReadPlan:
+        """The read plan `read(key, ids, ...)` would follow (for stats, tests and benchmarks)."""
+        f = self.files[key]
+        return plan_reads(
+            ids.numpy(),
+            f.row_bytes,
+            f.data_offset,
+            alignment=ALIGNMENT if self.mode == "direct" else 1,
+            merge_gap_bytes=self.merge_gap_bytes,
+            max_run_bytes=self.buffer_bytes,
+        )
+
+    def read(self, key: Hashable, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Fill `out[k]` with row `ids[k]` of `files[key]`.
+
+        `ids` is a 1-D int64 CPU tensor, sorted ascending and unique; `out` a CPU tensor of the
+        file's dtype with at least `len(ids)` rows of its width (rows past `len(ids)` are left alone).
+        """
+        if self._closed:
+            raise ValueError("This StoreReader is closed.")
+        if key not in self.files:
+            raise KeyError(f"No store file under key {key!r}.")
+        f = self.files[key]
+        self._check_args(f, ids, out)
+        if len(ids) == 0:
+            return
+        with self._lock:
+            plan = self.plan(key, ids)
+            for first_run, last_run in self._batches(plan.run_bytes):
+                self._read_batch(self._fds[key], f, plan, first_run, last_run, out)
+
+    @staticmethod
+    def _check_args(f: RowFile, ids: torch.Tensor, out: torch.Tensor) -> None:
+        if ids.dtype != torch.int64 or ids.dim() != 1 or ids.device.type != "cpu":
+            raise ValueError(
+                f"ids must be a 1-D int64 CPU tensor, got {ids.dtype} {tuple(ids.shape)} on {ids.device}."
+            )
+        if out.dtype != f.dtype or out.dim() != 2 or out.device.type != "cpu":
+            raise ValueError(
+                f"out must be a 2-D CPU tensor of {f.dtype}, got {out.dtype} {tuple(out.shape)}."
+            )
+        if out.shape[0] < len(ids) or out.shape[1] != f.width:
+            raise ValueError(f"out {tuple(out.shape)} cannot hold {len(ids)} rows of width {f.width}.")
+        if len(ids) and (int(ids[0]) < 0 or int(ids[-1]) >= f.rows):
+            raise ValueError(f"ids must lie in [0, {f.rows}), got {int(ids[0])}..{int(ids[-1])}.")
+        if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError("ids must be sorted ascending and unique.")
+
+    def _batches(self, run_bytes: np.ndarray) -> list[tuple[int, int]]:
+        """Consecutive run ranges `[first, last)` whose bytes fit the buffer (a loop per run only when
+        a call needs more than one batch)."""
+        if run_bytes.sum() <= self.buffer_bytes:
+            return [(0, len(run_bytes))]
+        batches, first, used = [], 0, 0
+        for run, size in enumerate(run_bytes.tolist()):
+            if used + size > self.buffer_bytes:
+                batches.append((first, run))
+                first, used = run, 0
+            used += size
+        batches.append((first, len(run_bytes)))
+        return batches
+
+    def _read_batch(
+        self, fd: int, f: RowFile, plan: ReadPlan, first: int, last: int, out: torch.Tensor
+    ) -> None:
+        """Read runs `[first, last)` back to back into the buffer, then gather their rows into `out`."""
+        starts, ends = plan.run_starts[first:last], plan.run_ends[first:last]
+        run_pos = np.cumsum(ends - starts) - (ends - starts)  # each run's place in the buffer
+        run, within, length = split_chunks(starts, ends, self.chunk_bytes)
+        offsets = starts[run] + within
+        needed = np.clip(plan.run_needed_ends[first:last][run] - offsets, 0, length)
+        requests = list(
+            zip(
+                offsets.tolist(),
+                length.tolist(),
+                (run_pos[run] + within).tolist(),
+                needed.tolist(),
+                strict=True,
+            )
+        )
+        self._issue(fd, f, requests)
+
+        rows = slice(*np.searchsorted(plan.row_runs, [first, last]).tolist())
+        row_runs = plan.row_runs[rows] - first
+        byte_pos = run_pos[row_runs] + plan.row_starts[rows] - starts[row_runs]
+        elem_pos = torch.from_numpy(byte_pos // f.dtype.itemsize)
+        target = out[rows]
+        if target.is_contiguous():
+            torch.index_select(self._rows_view(f), 0, elem_pos, out=target)
+        else:
+            target.copy_(self._rows_view(f).index_select(0, elem_pos))
+
+    def _rows_view(self, f: RowFile) -> torch.Tensor:
+        """The buffer as overlapping rows: row `e` is `width` elements starting at element `e`."""
+        key = (f.dtype, f.width)
+        if key not in self._windows:
+            elems = torch.frombuffer(self._buffer, dtype=f.dtype)
+            self._windows[key] = elems.as_strided((elems.numel() - f.width + 1, f.width), (1, 1))
+        return self._windows[key]
+
+    def _issue(self, fd: int, f: RowFile, requests: list[tuple[int, int, int, int]]) -> None:
+        """Run the requests, spread round-robin over the pool; update the counters."""
+        if self._pool is None or len(requests) == 1:
+            done = [self._read_requests(fd, f, requests)]
+        else:
+            groups = [requests[t :: self.threads] for t in range(min(self.threads, len(requests)))]
+            futures = [self._pool.submit(self._read_requests, fd, f, group) for group in groups]
+            wait(futures)  # every worker done with the buffer before any error propagates
+            done = [future.result() for future in futures]
+        self.bytes_read += sum(nbytes for nbytes, _ in done)
+        self.reads_issued += sum(calls for _, calls in done)
+
+    def _read_requests(
+        self, fd: int, f: RowFile, requests: list[tuple[int, int, int, int]]
+    ) -> tuple[int, int]:
+        """Read each `(offset, length, buffer position, needed)`; return (bytes read, syscalls)."""
+        nbytes = calls = 0
+        for offset, length, pos, needed in requests:
+            got = 0
+            while got < length:
+                n = os.preadv(fd, [self._view[pos + got : pos + length]], offset + got)
+                calls += 1
+                nbytes += n
+                got += n
+                if got >= length or got >= needed:  # complete, or only the aligned tail is past EOF
+                    break
+                if n == 0 or (self.mode == "direct" and got % ALIGNMENT):
+                    raise StoreCorruptError(
+                        f"Store file {f.path} is truncated: end of file at byte {offset + got}, but row "
+                        f"data runs to byte {f.data_offset + f.nbytes}. Convert the store again."
+                    )
+        return nbytes, calls
+
+    def close(self) -> None:
+        """Close the files, stop the pool, free the buffer. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._close_fds()
+        self._windows.clear()
+        self._view.release()
+        with contextlib.suppress(BufferError):  # a caller still holds a view: freed with the last one
+            self._buffer.close()
+
+    def __enter__(self) -> StoreReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close()

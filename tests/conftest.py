@@ -1,0 +1,315 @@
+"""Shared fixtures for flashlm's test suite.
+
+- Everything runs offline (`HF_HUB_OFFLINE=1`, `TRANSFORMERS_OFFLINE=1`, set at import).
+- `TINY_CONFIGS` builds a tiny random config for every model_type of `flashlm.arch.ARCHITECTURES`;
+  `make_tiny_checkpoint(model_type, dtype)` saves one (seeded, cached per session) and returns its dir.
+- Cache directories: `FLASHLM_CACHE` points at a per-session temporary directory for the whole run, so
+  no test writes stores into the user's cache. The one exception is the embedded default model
+  (SmolLM2, ~20 s to convert): `smollm2_dir` converts it into the user's *real* cache, whose root is
+  read here, at import, before the override (`_REAL_CACHE_ROOT`), and passed to
+  `flashlm.models.default_model_path(cache_root=...)`, so the conversion is reused across runs.
+- Tests marked `gpu` are skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import pytest
+import torch
+import transformers
+
+
+def _real_cache_root() -> Path | None:
+    """The user's flashlm cache root (same rules as `flashlm._utils.cache_dir`), without creating it."""
+    if env := os.environ.get("FLASHLM_CACHE"):
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(xdg).expanduser() / "flashlm"
+
+
+_REAL_CACHE_ROOT = _real_cache_root()
+
+# --------------------------------------------------------------------------------------------------
+# Tiny random configs, one per supported model_type. Intermediate sizes differ from hidden and from
+# 2 x hidden so that transposed or halved shapes fail loudly.
+# --------------------------------------------------------------------------------------------------
+_VOCAB = 128
+
+
+def _llama() -> transformers.PretrainedConfig:
+    return transformers.LlamaConfig(
+        vocab_size=_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+
+
+def _mistral() -> transformers.PretrainedConfig:
+    return transformers.MistralConfig(
+        vocab_size=_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=None,
+    )
+
+
+def _qwen2() -> transformers.PretrainedConfig:
+    return transformers.Qwen2Config(
+        vocab_size=_VOCAB,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+
+
+def _qwen3() -> transformers.PretrainedConfig:
+    return transformers.Qwen3Config(
+        vocab_size=_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
+
+
+def _phi3() -> transformers.PretrainedConfig:
+    return transformers.Phi3Config(
+        vocab_size=_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        original_max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def _gemma() -> transformers.PretrainedConfig:
+    return transformers.GemmaConfig(
+        vocab_size=_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
+
+
+def _gemma2() -> transformers.PretrainedConfig:
+    return transformers.Gemma2Config(
+        vocab_size=_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        sliding_window=16,
+    )
+
+
+def _gemma3_text() -> transformers.PretrainedConfig:
+    return transformers.Gemma3TextConfig(
+        vocab_size=_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        sliding_window=16,
+    )
+
+
+def _gemma3() -> transformers.PretrainedConfig:
+    """Gemma3ForConditionalGeneration: the gemma3_text decoder above plus a 1-layer SigLIP tower."""
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    return transformers.Gemma3Config(
+        text_config=_gemma3_text().to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        image_token_index=_VOCAB - 1,
+        boi_token_index=_VOCAB - 3,
+        eoi_token_index=_VOCAB - 2,
+    )
+
+
+def _opt() -> transformers.PretrainedConfig:
+    return transformers.OPTConfig(
+        vocab_size=_VOCAB,
+        hidden_size=48,
+        ffn_dim=80,
+        word_embed_proj_dim=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        enable_bias=True,
+        do_layer_norm_before=True,
+        pad_token_id=1,
+        bos_token_id=2,
+        eos_token_id=2,
+    )
+
+
+def _falcon(bias: bool = False) -> transformers.PretrainedConfig:
+    return transformers.FalconConfig(
+        vocab_size=_VOCAB,
+        hidden_size=32,
+        ffn_hidden_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        new_decoder_architecture=False,
+        multi_query=True,
+        bias=bias,
+        alibi=False,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def _falcon_bias() -> transformers.PretrainedConfig:
+    return _falcon(bias=True)
+
+
+# model_type -> zero-argument builder of a tiny config, for every model_type in flashlm.arch.ARCHITECTURES.
+TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
+    "llama": _llama,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "phi3": _phi3,
+    "gemma": _gemma,
+    "gemma2": _gemma2,
+    "gemma3_text": _gemma3_text,
+    "gemma3": _gemma3,  # Gemma3ForConditionalGeneration: tiny enough (~0.1 s to build)
+    "opt": _opt,
+    "falcon": _falcon,
+}
+
+# Extra variants, "<model_type>-<what>" -> builder; `config.model_type` names the architecture.
+TINY_VARIANTS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
+    "falcon-bias": _falcon_bias,
+}
+
+
+def tiny_config(name: str) -> transformers.PretrainedConfig:
+    """A fresh tiny config for `name`, a key of `TINY_CONFIGS` or `TINY_VARIANTS`."""
+    return (TINY_CONFIGS | TINY_VARIANTS)[name]()
+
+
+def build_tiny_model(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A tiny random causal LM for `name` (seeded with `torch.manual_seed(0)`), in eval mode."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(name))
+    return model.to(dtype).eval()
+
+
+# --------------------------------------------------------------------------------------------------
+# Fixtures
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _flashlm_test_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Point `FLASHLM_CACHE` at a per-session temporary directory for the whole run."""
+    previous = os.environ.get("FLASHLM_CACHE")
+    path = tmp_path_factory.mktemp("flashlm-cache")
+    os.environ["FLASHLM_CACHE"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("FLASHLM_CACHE", None)
+    else:
+        os.environ["FLASHLM_CACHE"] = previous
+
+
+@pytest.fixture(scope="session")
+def make_tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """Factory `make_tiny_checkpoint(name, dtype=torch.bfloat16) -> Path` of a saved tiny checkpoint.
+
+    `name` is a key of `TINY_CONFIGS` or `TINY_VARIANTS`. Checkpoints are cached per session per
+    `(name, dtype)`; treat the directory as read-only (copy it before modifying).
+    """
+    made: dict[tuple[str, torch.dtype], Path] = {}
+
+    def make(name: str, dtype: torch.dtype = torch.bfloat16) -> Path:
+        key = (name, dtype)
+        if key not in made:
+            model = build_tiny_model(name, dtype)
+            path = tmp_path_factory.mktemp(f"tiny-{name}-{str(dtype).removeprefix('torch.')}")
+            model.save_pretrained(path)
+            made[key] = path
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(params=[*TINY_CONFIGS, *TINY_VARIANTS])
+def tiny_model_dir(request: pytest.FixtureRequest, make_tiny_checkpoint) -> Path:
+    """A bfloat16 tiny checkpoint, parametrized over `TINY_CONFIGS` and `TINY_VARIANTS`.
+
+    Override the list with `@pytest.mark.parametrize("tiny_model_dir", ["llama"], indirect=True)`.
+    """
+    return make_tiny_checkpoint(request.param)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The default model (SmolLM2-135M-Instruct, bf16) converted into the user's real flashlm cache.
+
+    Tests using it mark themselves `@pytest.mark.slow`.
+    """
+    from flashlm.models import default_model_path
+
+    return default_model_path(progress=False, cache_root=_REAL_CACHE_ROOT)
+
+
+# --------------------------------------------------------------------------------------------------
+# Markers
+# --------------------------------------------------------------------------------------------------
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA (none available on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

@@ -1,0 +1,398 @@
+"""Neuron cache, eviction policies and budget split, checked against a pure-Python reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from flashlm._utils import format_bytes
+from flashlm.cache import (
+    BudgetPlan,
+    EvictionPolicy,
+    NeuronCache,
+    available_policies,
+    make_policy,
+    policy_state_bytes,
+    split_budget,
+)
+from flashlm.errors import BudgetTooSmallError, ConfigError
+
+WIDTH = 3
+
+
+class ReferenceCache:
+    """Dict-and-set model of the cache: same policies, same admission rule, no tensors, no slots."""
+
+    def __init__(self, policy: str, capacity: int, window: int = 0) -> None:
+        self.policy = policy
+        self.capacity = capacity
+        self.window = window
+        self.last: dict[int, int] = {}
+        self.count: dict[int, int] = {}
+        self.resident: set[int] = set()
+
+    def priority(self, unit: int) -> int:
+        if self.policy == "lfu":
+            return self.count.get(unit, 0) * 2**32 + self.last.get(unit, -1)
+        return self.last.get(unit, -1)
+
+    def expired(self, unit: int, step: int) -> bool:
+        return self.policy == "window" and self.last.get(unit, -1) <= step - self.window
+
+    def step(self, used: list[int], step: int) -> tuple[int, int, int]:
+        """One decode step; returns (hits, misses, evictions)."""
+        misses = [u for u in used if u not in self.resident]
+        for u in used:
+            self.last[u] = step
+            self.count[u] = self.count.get(u, 0) + 1
+        evictions = 0
+        for u in sorted(self.resident):
+            if self.expired(u, step):
+                self.resident.remove(u)
+                evictions += 1
+        for u in sorted(misses, key=lambda u: (-self.priority(u), u)):
+            if len(self.resident) < self.capacity:
+                self.resident.add(u)
+                continue
+            if not self.resident:
+                break
+            weakest = min(self.resident, key=lambda r: (self.priority(r), r))
+            if self.priority(u) > self.priority(weakest):
+                self.resident.remove(weakest)
+                self.resident.add(u)
+                evictions += 1
+        return len(used) - len(misses), len(misses), evictions
+
+
+def policy_options(policy: str, window: int) -> dict:
+    return {"window": window} if policy == "window" else {}
+
+
+def make_cache(
+    policy: str, num_units: int, capacity: int, window: int = 2, dtype=torch.float32
+) -> NeuronCache:
+    return NeuronCache(
+        num_units, capacity, WIDTH, dtype, make_policy(policy, num_units, **policy_options(policy, window))
+    )
+
+
+def unit_rows(ids: torch.Tensor, cache: NeuronCache) -> torch.Tensor:
+    """Each unit's row is filled with its own id, so a slot's content names its unit."""
+    return ids[:, None].to(cache.rows.dtype).expand(-1, WIDTH)
+
+
+def check_invariants(cache: NeuronCache) -> None:
+    """Occupied slots are 0..size-1, the two maps are inverse, and every row is its unit's."""
+    size = cache.size
+    resident = cache.slot_ids[:size]
+    assert bool((resident >= 0).all())
+    assert bool((cache.slot_ids[size:] == -1).all())
+    assert torch.equal(cache.slot_of[resident], torch.arange(size))
+    assert int((cache.slot_of >= 0).sum()) == size
+    assert torch.equal(cache.rows[:size], unit_rows(resident, cache))
+
+
+def run_step(cache: NeuronCache, used: list[int], step: int) -> tuple[int, int, int]:
+    """Drive the cache through one step as a sparse MLP does; returns the counter increments."""
+    before = cache.hits, cache.misses, cache.evictions
+    ids = torch.tensor(sorted(used), dtype=torch.int64)
+    hit_ids, hit_slots, miss_ids = cache.lookup(ids)
+    assert torch.equal(cache.rows[hit_slots], unit_rows(hit_ids, cache))
+    cache.update(ids, miss_ids, unit_rows(miss_ids, cache), step)
+    check_invariants(cache)
+    return cache.hits - before[0], cache.misses - before[1], cache.evictions - before[2]
+
+
+def random_trace(rng: random.Random, num_units: int, steps: int) -> list[list[int]]:
+    """Steps drawing mostly from a drifting hot set, so hits, misses and evictions all happen."""
+    hot = rng.sample(range(num_units), max(1, num_units // 3))
+    trace = []
+    for _ in range(steps):
+        if rng.random() < 0.2:
+            hot[rng.randrange(len(hot))] = rng.randrange(num_units)
+        used = {u for u in hot if rng.random() < 0.8}
+        used |= set(rng.sample(range(num_units), rng.randrange(num_units // 2 + 1)))
+        trace.append(sorted(used))
+    return trace
+
+
+def assert_matches_reference(policy: str, num_units: int, capacity: int, window: int, trace) -> None:
+    cache = make_cache(policy, num_units, capacity, window)
+    reference = ReferenceCache(policy, capacity, window)
+    for step, used in enumerate(trace):
+        assert run_step(cache, used, step) == reference.step(used, step), f"step {step}"
+        assert set(cache.resident_ids.tolist()) == reference.resident, f"step {step}"
+
+
+# ---- policies against the reference ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "window"])
+@pytest.mark.parametrize("seed", range(8))
+def test_matches_reference_on_seeded_traces(policy: str, seed: int) -> None:
+    rng = random.Random(seed)
+    num_units = rng.randrange(1, 64)
+    capacity = rng.randrange(num_units + 1)
+    assert_matches_reference(
+        policy, num_units, capacity, rng.randrange(1, 6), random_trace(rng, num_units, 60)
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    policy=st.sampled_from(["lru", "lfu", "window"]),
+    num_units=st.integers(1, 24),
+    data=st.data(),
+)
+def test_matches_reference_on_any_trace(policy: str, num_units: int, data: st.DataObject) -> None:
+    capacity = data.draw(st.integers(0, num_units), label="capacity")
+    window = data.draw(st.integers(1, 4), label="window")
+    step_sets = st.sets(st.integers(0, num_units - 1), max_size=num_units)
+    trace = data.draw(st.lists(step_sets.map(sorted), max_size=20), label="trace")
+    assert_matches_reference(policy, num_units, capacity, window, trace)
+
+
+def test_lru_evicts_least_recent_and_keeps_units_used_this_step() -> None:
+    cache = make_cache("lru", 8, 3)
+    for step, used in enumerate([[0, 1, 2], [0], [3]]):
+        run_step(cache, used, step)
+    assert set(cache.resident_ids.tolist()) == {0, 2, 3}  # 1 was older than 2 (tie at step 0: lower id first)
+    run_step(cache, [4, 5, 6], 3)  # three candidates, three older residents: all replaced
+    assert set(cache.resident_ids.tolist()) == {4, 5, 6}
+
+
+def test_lfu_keeps_frequent_units() -> None:
+    cache = make_cache("lfu", 8, 2)
+    for step, used in enumerate([[0, 1], [0, 1], [0], [2], [3]]):
+        run_step(cache, used, step)
+    assert set(cache.resident_ids.tolist()) == {0, 1}  # one use of 2 or 3 never beats two or three
+
+
+def test_density_one_is_static_after_filling() -> None:
+    """Every unit every step: equal priorities never displace each other, so nothing thrashes."""
+    for policy in ("lru", "lfu", "window"):
+        cache = make_cache(policy, 16, 5, window=2)
+        everything = list(range(16))
+        run_step(cache, everything, 0)
+        filled = cache.slot_ids.clone()
+        for step in range(1, 10):
+            hits, misses, evictions = run_step(cache, everything, step)
+            assert (hits, misses, evictions) == (5, 11, 0), policy
+            assert torch.equal(cache.slot_ids, filled), policy
+
+
+def test_window_expires_units_without_pressure() -> None:
+    window = 3
+    cache = make_cache("window", 10, 10, window=window)
+    run_step(cache, [0, 1], 0)
+    for step in range(1, window):
+        run_step(cache, [5], step)
+        assert {0, 1} <= set(cache.resident_ids.tolist())
+    assert run_step(cache, [5], window)[2] == 2  # last used at step 0: out of the window at step 3
+    assert set(cache.resident_ids.tolist()) == {5}
+    run_step(cache, [6], window + 1)
+    assert set(cache.resident_ids.tolist()) == {5, 6}  # 5 used at steps 1..3: still inside
+
+
+def test_swap_delete_moves_last_rows_into_holes() -> None:
+    """Expiring the front slots fills them from the tail (LLM in a flash, Fig. 6)."""
+    cache = make_cache("window", 10, 10, window=1)
+    run_step(cache, [0, 1, 2, 3, 4, 5], 0)
+    run_step(cache, [2, 3, 4, 5], 1)  # 0 and 1 expire: slots 0 and 1 take units 4 and 5
+    assert cache.slot_ids[: cache.size].tolist() == [4, 5, 2, 3]
+    assert cache.rows[:4, 0].tolist() == [4.0, 5.0, 2.0, 3.0]
+
+
+def test_capacity_zero_misses_everything() -> None:
+    for policy in ("lru", "lfu", "window"):
+        cache = make_cache(policy, 6, 0)
+        for step in range(3):
+            assert run_step(cache, [1, 2, 3], step) == (0, 3, 0)
+        assert cache.size == 0
+        assert cache.rows.shape == (0, WIDTH)
+        assert cache.policy.priority(torch.tensor([1])).item() != -1  # the policy still records
+
+
+def test_preload_fills_free_slots_without_counting() -> None:
+    cache = make_cache("lru", 10, 4)
+    ids = torch.tensor([7, 3, 9])
+    cache.preload(ids, unit_rows(ids, cache))
+    check_invariants(cache)
+    assert set(cache.resident_ids.tolist()) == {3, 7, 9}
+    assert (cache.hits, cache.misses, cache.admissions) == (0, 0, 3)
+    assert run_step(cache, [3, 7, 8], 0) == (2, 1, 0)
+    more = torch.tensor([0, 1])
+    cache.preload(more, unit_rows(more, cache))  # full, and never-used units are no better than 9
+    assert set(cache.resident_ids.tolist()) == {3, 7, 8, 9}
+
+
+def test_clear_and_reset_counters() -> None:
+    cache = make_cache("lfu", 8, 4)
+    run_step(cache, [1, 2, 3], 0)
+    cache.clear()
+    check_invariants(cache)
+    assert cache.size == 0
+    assert int(cache.policy.count.sum()) == 0
+    assert cache.misses == 3
+    cache.reset_counters()
+    assert (cache.hits, cache.misses, cache.evictions, cache.admissions) == (0, 0, 0, 0)
+    assert run_step(cache, [1], 1) == (0, 1, 0)
+
+
+def test_rows_are_preallocated_once() -> None:
+    cache = make_cache("lru", 32, 8)
+    pointer = cache.rows.data_ptr()
+    rng = random.Random(0)
+    for step, used in enumerate(random_trace(rng, 32, 30)):
+        run_step(cache, used, step)
+    assert cache.rows.data_ptr() == pointer
+
+
+# ---- policy construction --------------------------------------------------------------------
+
+
+def test_unknown_policy_names_the_available_ones() -> None:
+    with pytest.raises(ConfigError, match="lfu, lru, window"):
+        make_policy("belady-ish", 4)
+    with pytest.raises(ConfigError):
+        policy_state_bytes("nope", 4)
+    with pytest.raises(ConfigError, match="window"):
+        make_policy("lru", 4, window=3)
+    with pytest.raises(ConfigError):
+        make_policy("window", 4, window=0)
+
+
+def test_registry_and_state_bytes_agree_with_allocation() -> None:
+    assert {"lru", "lfu", "window"} <= set(available_policies())
+    for name in available_policies():
+        policy = make_policy(name, 37)
+        assert isinstance(policy, EvictionPolicy)
+        assert sum(b.numel() * b.element_size() for b in policy.buffers()) == policy_state_bytes(name, 37)
+
+
+def test_cache_rejects_inconsistent_arguments() -> None:
+    with pytest.raises(ConfigError):
+        NeuronCache(4, 5, WIDTH, torch.float32, make_policy("lru", 4))
+    with pytest.raises(ConfigError):
+        NeuronCache(4, 2, WIDTH, torch.float32, make_policy("lru", 5))
+
+
+# ---- module behaviour -----------------------------------------------------------------------
+
+
+def test_to_moves_buffers_and_state_dict_skips_them() -> None:
+    holder = nn.Module()
+    holder.cache = make_cache("lfu", 12, 4, dtype=torch.float16)
+    run_step(holder.cache, [1, 2, 3], 0)
+    assert holder.state_dict() == {}
+
+    holder.to(torch.float32)
+    cache = holder.cache
+    assert cache.rows.dtype == torch.float32
+    assert cache.slot_ids.dtype == cache.slot_of.dtype == cache.policy.count.dtype == torch.int64
+    holder.to("cpu")
+    check_invariants(cache)
+    assert run_step(cache, [1, 2, 5, 6], 1) == (2, 2, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cache_runs_on_cuda() -> None:
+    cache = make_cache("window", 40, 10).to("cuda")
+    assert cache.policy.last_step.is_cuda and cache.rows.is_cuda
+    reference = ReferenceCache("window", 10, 2)
+    for step, used in enumerate(random_trace(random.Random(1), 40, 20)):
+        ids = torch.tensor(used, device="cuda")
+        _, _, miss_ids = cache.lookup(ids)
+        cache.update(ids, miss_ids, miss_ids[:, None].float().expand(-1, WIDTH), step)
+        reference.step(used, step)
+        assert set(cache.resident_ids.tolist()) == reference.resident
+
+
+# ---- budget ---------------------------------------------------------------------------------
+
+
+def measured_bytes(caches: list[NeuronCache]) -> int:
+    """Every byte the caches really allocated: rows, indices and policy state."""
+    return sum(b.numel() * b.element_size() for cache in caches for b in cache.buffers())
+
+
+def build_caches(plan: BudgetPlan, widths, num_units, dtype, policy: str) -> list[NeuronCache]:
+    return [
+        NeuronCache(n, cap, w, dtype, make_policy(policy, n))
+        for n, cap, w in zip(num_units, plan.capacities, widths, strict=True)
+    ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    layers=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 40)), min_size=1, max_size=6),
+    dtype=st.sampled_from([torch.float16, torch.float32]),
+    policy=st.sampled_from(["lru", "lfu", "window"]),
+    overhead=st.integers(0, 5000),
+    extra=st.integers(0, 200_000),
+)
+def test_budget_is_never_exceeded(layers, dtype, policy: str, overhead: int, extra: int) -> None:
+    num_units = [n for n, _ in layers]
+    widths = [w for _, w in layers]
+    unit_bytes = [w * torch.empty((), dtype=dtype).element_size() for w in widths]
+    minimum = overhead + sum(NeuronCache.fixed_bytes(n, policy) for n in num_units)
+    budget = minimum + extra
+
+    plan = split_budget(
+        budget, unit_bytes=unit_bytes, num_units=num_units, overhead_bytes=overhead, policy=policy
+    )
+    caches = build_caches(plan, widths, num_units, dtype, policy)
+
+    measured = measured_bytes(caches)
+    assert measured == plan.cache_bytes + plan.index_bytes
+    assert measured + overhead == plan.total_bytes <= budget
+    assert sum(c.nbytes + sum(b.nbytes for b in c.policy.buffers()) for c in caches) == measured
+    # Nothing wasted: no layer with room could take one more slot.
+    for cap, n, u in zip(plan.capacities, num_units, unit_bytes, strict=True):
+        assert 0 <= cap <= n
+        assert cap == n or NeuronCache.slot_bytes(u) > budget - plan.total_bytes
+
+
+def test_budget_split_is_proportional_to_layer_size() -> None:
+    plan = split_budget(
+        30_000 + 2 * NeuronCache.fixed_bytes(1000, "lru"),
+        unit_bytes=[92, 192],
+        num_units=[1000, 1000],
+        overhead_bytes=0,
+    )
+    small, large = plan.capacities
+    assert small == large == 100  # each layer caches the same fraction of itself: 10%
+    capped = split_budget(10**9, unit_bytes=[8, 8], num_units=[5, 7], overhead_bytes=100)
+    assert capped.capacities == [5, 7]
+
+
+def test_too_small_budget_names_the_minimum() -> None:
+    num_units, overhead = [100, 50], 4096
+    minimum = overhead + sum(NeuronCache.fixed_bytes(n, "lru") for n in num_units)
+    assert split_budget(
+        minimum, unit_bytes=[64, 64], num_units=num_units, overhead_bytes=overhead
+    ).capacities == [
+        0,
+        0,
+    ]
+    for budget in (minimum - 1, overhead - 1, 0):
+        with pytest.raises(BudgetTooSmallError) as info:
+            split_budget(budget, unit_bytes=[64, 64], num_units=num_units, overhead_bytes=overhead)
+        message = str(info.value)
+        assert str(minimum) in message
+        assert format_bytes(minimum) in message
+        assert "memory_budget" in message
+
+
+def test_budget_rejects_inconsistent_arguments() -> None:
+    with pytest.raises(ConfigError):
+        split_budget(1000, unit_bytes=[8], num_units=[1, 2], overhead_bytes=0)
+    with pytest.raises(ConfigError):
+        split_budget(1000, unit_bytes=[0], num_units=[1], overhead_bytes=0)
+    with pytest.raises(ConfigError, match="lru"):
+        split_budget(1000, unit_bytes=[8], num_units=[1], overhead_bytes=0, policy="fifo")

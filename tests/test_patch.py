@@ -1,0 +1,265 @@
+"""Patching tiny models of every supported architecture: exactness at density 1.0 under any
+budget, save/reload, patch/unpatch, the from_pretrained hook never reading MLP weights, stats."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import flashlm
+from flashlm.errors import BudgetTooSmallError, StoreMismatchError, UnsupportedArchitectureError
+from flashlm.patches import StreamingMLP
+from flashlm.patching import streaming_mlps
+
+from conftest import TINY_CONFIGS, TINY_VARIANTS
+
+ARCHS = sorted(TINY_CONFIGS | TINY_VARIANTS)
+CACHED_FRACTIONS = [0.0, 0.3, 0.7, 1.0]
+"""Budgets for tiny models, as the fraction of MLP units the cache can hold on top of the minimum
+working memory (tiny models' working memory exceeds their MLP bytes, so percentages mislead)."""
+
+
+def minimum_budget(store_path) -> int:
+    with pytest.raises(BudgetTooSmallError) as info:
+        flashlm.runtime.FlashRuntime(flashlm.Store.open(store_path), flashlm.FlashConfig(memory_budget=1))
+    return info.value.minimum_bytes
+
+
+def budget_caching(store_path, fraction: float) -> int:
+    """A budget whose caches hold about `fraction` of all units (all of them at 1.0)."""
+    store = flashlm.Store.open(store_path)
+    slot_bytes = store.row_file(0, "bundle").row_bytes + 8
+    return minimum_budget(store_path) + int(fraction * store.d_ff * store.num_layers * slot_bytes)
+
+
+def load_patched(path, store, cached_fraction=0.5, **options):
+    if not store.exists():
+        flashlm.convert(path, store, progress=False)
+    config = flashlm.FlashConfig(store=str(store), memory_budget=budget_caching(store, cached_fraction), **options)
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
+
+
+def prompt_ids(vocab_size: int, length: int = 12) -> torch.Tensor:
+    return torch.randint(3, vocab_size, (2, length), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("cached_fraction", CACHED_FRACTIONS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_density_one_matches_dense(arch, cached_fraction, make_tiny_checkpoint, tmp_path):
+    """Dense streaming is the dense model: same logits, same greedy tokens, whatever the budget."""
+    path = make_tiny_checkpoint(arch, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    patched = load_patched(path, tmp_path / "store", cached_fraction)
+    capacities = [module.cache.capacity for module in streaming_mlps(patched)]
+    if cached_fraction == 0:
+        assert capacities == [0] * len(capacities)
+    if cached_fraction == 1:
+        assert capacities == [module.d_ff for module in streaming_mlps(patched)]
+    assert len(streaming_mlps(patched)) == reference.config.get_text_config().num_hidden_layers
+    ids = prompt_ids(reference.config.get_text_config().vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+    kwargs = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(patched.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_logits_within_tolerance(arch, make_tiny_checkpoint, tmp_path):
+    path = make_tiny_checkpoint(arch, dtype=torch.bfloat16)
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    patched = load_patched(path, tmp_path / "store", 0.3)
+    ids = prompt_ids(reference.config.get_text_config().vocab_size)
+    with torch.no_grad():
+        for _ in range(3):  # later steps mix cache hits with reads
+            torch.testing.assert_close(patched(ids).logits, reference(ids).logits, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_save_and_reload_restores_patched_model(arch, make_tiny_checkpoint, tmp_path, monkeypatch):
+    path = make_tiny_checkpoint(arch, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    patched = load_patched(path, tmp_path / "store", 0.5, policy="lfu")
+    patched.save_pretrained(tmp_path / "saved")
+
+    saved_config = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    assert saved_config["quant_method"] == "flashlm"
+    assert saved_config["policy"] == "lfu"
+    assert saved_config["flashlm_version"] == flashlm.__version__
+    assert "store" not in saved_config and "memory_budget" not in saved_config
+
+    monkeypatch.setenv("FLASHLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("FLASHLM_MEMORY_BUDGET", "10MB")  # runtime options of a saved model come from the machine
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert streaming_mlps(reloaded) and reloaded.config.quantization_config.policy == "lfu"
+    ids = prompt_ids(reference.config.get_text_config().vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_patch_and_unpatch_loaded_model(arch, make_tiny_checkpoint, tmp_path):
+    path = make_tiny_checkpoint(arch, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = prompt_ids(model.config.get_text_config().vocab_size)
+    with torch.no_grad():
+        expected = model(ids).logits
+
+    flashlm.convert(path, tmp_path / "store", progress=False)
+    budget = budget_caching(tmp_path / "store", 0.4)
+    flashlm.patch(model, flashlm.FlashConfig(store=str(tmp_path / "store"), memory_budget=budget), progress=False)
+    patched = tuple(name + "." for name, module in model.named_modules() if isinstance(module, StreamingMLP))
+    assert patched
+    assert not [name for name, _ in model.named_parameters() if name.startswith(patched)]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+    flashlm.unpatch(model)
+    assert not streaming_mlps(model)
+    restored = model.state_dict()
+    assert restored.keys() == original.keys()
+    for key, value in original.items():
+        assert torch.equal(restored[key], value), key
+
+
+def test_from_pretrained_never_reads_mlp_weights(make_tiny_checkpoint, tmp_path, monkeypatch):
+    """Tensor accounting: every checkpoint tensor transformers materializes is recorded."""
+    import transformers.modeling_utils as modeling_utils
+
+    path = make_tiny_checkpoint("llama", dtype=torch.float32)
+    flashlm.convert(path, tmp_path / "store", progress=False)
+    materialized: list[str] = []
+    real_safe_open = modeling_utils.safe_open
+
+    class RecordingSlice:
+        def __init__(self, key, inner):
+            self.key, self.inner = key, inner
+
+        def __getitem__(self, index):
+            materialized.append(self.key)
+            return self.inner[index]
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    class RecordingFile:
+        def __init__(self, *args, **kwargs):
+            self.inner = real_safe_open(*args, **kwargs)
+
+        def get_slice(self, key):
+            return RecordingSlice(key, self.inner.get_slice(key))
+
+        def get_tensor(self, key):
+            materialized.append(key)
+            return self.inner.get_tensor(key)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+    monkeypatch.setattr(modeling_utils, "safe_open", RecordingFile)
+    AutoModelForCausalLM.from_pretrained(path)
+    dense_keys = set(materialized)
+    assert any(".mlp." in key for key in dense_keys), "the accounting must see MLP reads of a plain load"
+
+    materialized.clear()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=flashlm.FlashConfig(store=str(tmp_path / "store"), memory_budget="10MB")
+    )
+    assert materialized, "the accounting must see the non-MLP reads"
+    assert not [key for key in materialized if ".mlp." in key]
+    assert set(materialized) == {key for key in dense_keys if ".mlp." not in key}
+    assert not [name for name, _ in model.named_parameters() if ".mlp." in name]
+
+
+def test_missing_store_is_converted_on_first_load(make_tiny_checkpoint, tmp_path):
+    path = make_tiny_checkpoint("llama", dtype=torch.float32)
+    store = tmp_path / "new.flash"
+    load_patched(path, store)
+    assert (store / "manifest.json").exists()
+
+
+def test_default_store_lives_in_cache_dir(make_tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHLM_CACHE", str(tmp_path / "cache"))
+    path = make_tiny_checkpoint("llama", dtype=torch.float32)
+    AutoModelForCausalLM.from_pretrained(path, quantization_config=flashlm.FlashConfig(memory_budget="10MB"))
+    stores = list((tmp_path / "cache" / "stores").iterdir())
+    assert len(stores) == 1 and (stores[0] / "manifest.json").exists()
+
+
+def test_store_of_another_checkpoint_is_refused(make_tiny_checkpoint, tmp_path):
+    llama = make_tiny_checkpoint("llama", dtype=torch.float32)
+    mistral = make_tiny_checkpoint("mistral", dtype=torch.float32)
+    flashlm.convert(llama, tmp_path / "store", progress=False)
+    with pytest.raises(StoreMismatchError, match="store"):
+        load_patched(mistral, tmp_path / "store")
+
+
+def test_budget_below_working_set_says_the_minimum(make_tiny_checkpoint, tmp_path):
+    path = make_tiny_checkpoint("llama", dtype=torch.float32)
+    flashlm.convert(path, tmp_path / "store", progress=False)
+    minimum = minimum_budget(tmp_path / "store")
+    for budget, fits in [(minimum - 1, False), (minimum, True)]:
+        config = flashlm.FlashConfig(store=str(tmp_path / "store"), memory_budget=budget)
+        if fits:
+            AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
+        else:
+            with pytest.raises(BudgetTooSmallError, match=f"{minimum} bytes"):
+                AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    from transformers import GPT2Config
+
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    model.save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(UnsupportedArchitectureError, match="llama"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2", quantization_config=flashlm.FlashConfig())
+    with pytest.raises(UnsupportedArchitectureError, match="gpt2"):
+        flashlm.patch(model)
+
+
+@pytest.mark.parametrize("cached_fraction", [1.0, 0.25])
+def test_stats_count_reads_hits_and_stay_in_budget(cached_fraction, make_tiny_checkpoint, tmp_path):
+    path = make_tiny_checkpoint("llama", dtype=torch.float32)
+    model = load_patched(path, tmp_path / "store", cached_fraction)
+    layers = model.config.num_hidden_layers
+    ids = prompt_ids(model.config.vocab_size)[:1]
+    flashlm.stats(model, reset=True)
+    model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    snapshot = flashlm.stats(model)
+
+    assert snapshot.num_steps == 5
+    assert snapshot.table.shape[0] == 5 * layers
+    assert snapshot.resident_bytes <= snapshot.budget_bytes
+    steps = snapshot.per_step()
+    assert steps[0]["tokens"] == ids.shape[1] and all(s["tokens"] == 1 for s in steps[1:])
+    store = flashlm.Store.open(tmp_path / "store")
+    all_units = store.d_ff * layers
+    assert all(s["hits"] + s["misses"] == all_units for s in steps)
+    assert steps[0]["bytes_read"] >= store.nbytes("bundle")  # a cold cache reads everything once
+    if cached_fraction == 1:
+        assert all(s["bytes_read"] == 0 and s["misses"] == 0 for s in steps[1:])
+    else:
+        assert all(s["bytes_read"] > 0 and s["hits"] > 0 for s in steps[1:])
+    assert all(s["io_s"] >= 0 and s["compute_s"] > 0 for s in steps)
+
+    flashlm.stats(model, reset=True)
+    assert flashlm.stats(model).table.shape[0] == 0
+
+
+def test_streaming_module_has_no_parameters(make_tiny_checkpoint, tmp_path):
+    path = make_tiny_checkpoint("opt", dtype=torch.float32)
+    model = load_patched(path, tmp_path / "store")
+    for module in streaming_mlps(model):
+        assert isinstance(module, StreamingMLP)
+        assert not list(module.parameters())
+        assert not module.state_dict()

@@ -1,0 +1,339 @@
+"""StoreReader: correct rows in both modes, planned requests (coalesced, merged, aligned), fallback,
+errors, batching, and counters that agree with the kernel."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from flashlm.errors import FlashLMError, StoreCorruptError
+from flashlm.store import reader as reader_mod
+from flashlm.store.reader import (
+    ALIGNMENT,
+    DirectIOUnavailableError,
+    StoreReader,
+    break_even_gap_bytes,
+    plan_reads,
+    split_chunks,
+)
+from flashlm.store.rowfile import RowFile
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _direct_ok(directory: Path) -> bool:
+    probe = directory / "odirect-probe"
+    probe.write_bytes(b"\0" * ALIGNMENT)
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+        return True
+    except (OSError, AttributeError):
+        return False
+    finally:
+        probe.unlink()
+
+
+@pytest.fixture
+def direct_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory whose file system accepts O_DIRECT (tmp_path may be tmpfs, which refuses it)."""
+    for base in (tmp_path, Path("/var/tmp"), REPO / ".pytest_cache"):
+        try:
+            base.mkdir(parents=True, exist_ok=True)
+            directory = Path(tempfile.mkdtemp(prefix="flashlm-reader-", dir=base))
+        except OSError:
+            continue
+        if _direct_ok(directory):
+            yield directory
+            shutil.rmtree(directory, ignore_errors=True)
+            return
+        shutil.rmtree(directory, ignore_errors=True)
+    pytest.skip("no directory here (tmp_path, /var/tmp, .pytest_cache) supports O_DIRECT")
+
+
+def make_file(
+    directory: Path,
+    rows: int,
+    width: int,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    name: str = "m.bin",
+) -> tuple[RowFile, torch.Tensor]:
+    """A store-like file: 4096 bytes of header, then the matrix, no padding at the end."""
+    data = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    path = directory / name
+    with open(path, "wb") as f:
+        f.write(b"\xee" * ALIGNMENT)
+        f.write(data.view(torch.uint8).numpy().tobytes())
+    return RowFile(path, ALIGNMENT, rows, width, dtype), data
+
+
+def reference(f: RowFile, ids: torch.Tensor) -> np.ndarray:
+    """The rows read with plain numpy, independently of the reader."""
+    raw = np.fromfile(f.path, dtype=np.uint8, offset=f.data_offset, count=f.nbytes).reshape(
+        f.rows, f.row_bytes
+    )
+    return raw[ids.numpy()]
+
+
+def random_ids(rows: int, count: int, seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    return torch.from_numpy(np.sort(rng.choice(rows, count, replace=False)))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize(
+    ("width", "dtype"), [(576, torch.bfloat16), (1728, torch.bfloat16), (100, torch.float32)]
+)
+def test_random_subsets_match_reference(
+    direct_dir: Path, direct: bool, width: int, dtype: torch.dtype
+) -> None:
+    f, _ = make_file(direct_dir, rows=1000, width=width, dtype=dtype)
+    assert f.row_bytes % ALIGNMENT
+    with StoreReader({"k": f}, direct_io=direct, threads=3, chunk_bytes=2 * ALIGNMENT) as reader:
+        assert reader.mode == ("direct" if direct else "buffered")
+        for seed, count in enumerate([1, 2, 17, 300, 999, 1000]):
+            ids = random_ids(f.rows, count, seed)
+            out = torch.full((count + 3, width), 7, dtype=dtype)
+            reader.read("k", ids, out)
+            np.testing.assert_array_equal(out[:count].view(torch.uint8).numpy(), reference(f, ids))
+            assert bool((out[count:] == 7).all())
+        for ids in (torch.tensor([0]), torch.tensor([f.rows - 1]), torch.arange(f.rows)):
+            out = torch.empty(len(ids), width, dtype=dtype)
+            reader.read("k", ids, out)
+            np.testing.assert_array_equal(out.view(torch.uint8).numpy(), reference(f, ids))
+
+
+def test_several_files_and_non_contiguous_out(direct_dir: Path) -> None:
+    a, _ = make_file(direct_dir, 300, 576, name="a.bin", seed=1)
+    b, _ = make_file(direct_dir, 200, 64, dtype=torch.float32, name="b.bin", seed=2)
+    with StoreReader({(0, "x"): a, (1, "x"): b}) as reader:
+        ids = random_ids(200, 50, 3)
+        out = torch.zeros(64, 50, dtype=torch.float32).t()  # rows are strided
+        reader.read((1, "x"), ids, out)
+        np.testing.assert_array_equal(out.contiguous().view(torch.uint8).numpy(), reference(b, ids))
+        out_a = torch.empty(50, 576, dtype=torch.bfloat16)
+        reader.read((0, "x"), ids, out_a)
+        np.testing.assert_array_equal(out_a.view(torch.uint8).numpy(), reference(a, ids))
+
+
+def test_contiguous_ids_are_one_request_per_chunk(direct_dir: Path) -> None:
+    f, _ = make_file(direct_dir, 1000, 576)  # 1152-byte rows
+    chunk = 4 * ALIGNMENT
+    for direct in (True, False):
+        with StoreReader({0: f}, direct_io=direct, chunk_bytes=chunk, merge_gap_bytes=0) as reader:
+            ids = torch.arange(100, 400)
+            reader.read(0, ids, torch.empty(300, 576, dtype=torch.bfloat16))
+            run = reader.plan(0, ids)
+            assert len(run.run_starts) == 1
+            assert reader.reads_issued == -(-run.nbytes // chunk)
+            assert reader.bytes_read == run.nbytes
+            if not direct:
+                assert run.nbytes == 300 * f.row_bytes
+
+
+def test_gap_merging_trades_requests_for_bytes(direct_dir: Path) -> None:
+    f, _ = make_file(direct_dir, 2000, 2048)  # 4096-byte rows: one page each
+    ids = torch.arange(0, 2000, 3)  # a two-row gap (8 KiB) between wanted rows
+    out = torch.empty(len(ids), 2048, dtype=torch.bfloat16)
+    counters = {}
+    for gap in (0, 2 * ALIGNMENT):
+        with StoreReader({0: f}, direct_io=True, merge_gap_bytes=gap, threads=2) as reader:
+            reader.read(0, ids, out)
+            np.testing.assert_array_equal(out.view(torch.uint8).numpy(), reference(f, ids))
+            counters[gap] = (reader.reads_issued, reader.bytes_read)
+    assert counters[0] == (len(ids), len(ids) * ALIGNMENT)  # one page per row, no merging
+    merged_span = (int(ids[-1]) + 1) * ALIGNMENT
+    assert counters[2 * ALIGNMENT][1] == merged_span  # one run, gaps over-read
+    assert counters[2 * ALIGNMENT][0] == -(-merged_span // reader_mod.DEFAULT_CHUNK_BYTES)
+
+
+def test_plan_requests_are_aligned_and_cover_rows() -> None:
+    rng = np.random.default_rng(0)
+    for row_bytes in (1152, 3456, 100, 8192 + 12):
+        rows = 5000
+        ids = np.sort(rng.choice(rows, 700, replace=False))
+        for gap, max_run in (
+            (0, 1 << 30),
+            (20000, 1 << 30),
+            (20000, row_bytes + 2 * ALIGNMENT + 1),
+            (0, 50000),
+        ):
+            plan = plan_reads(
+                ids, row_bytes, ALIGNMENT, alignment=ALIGNMENT, merge_gap_bytes=gap, max_run_bytes=max_run
+            )
+            assert (plan.run_starts % ALIGNMENT == 0).all() and (plan.run_ends % ALIGNMENT == 0).all()
+            assert (plan.run_bytes <= max_run).all()
+            # Runs never overlap, except pieces of a run cut to fit the buffer: they may share
+            # the block that a row straddles (read twice, and counted twice).
+            overlap = plan.run_ends[:-1] - plan.run_starts[1:]
+            assert (overlap <= (ALIGNMENT if max_run < 1 << 30 else 0)).all()
+            starts = plan.row_starts
+            assert (starts >= plan.run_starts[plan.row_runs]).all()
+            assert (starts + row_bytes <= plan.run_ends[plan.row_runs]).all()
+            run, offset, length = split_chunks(plan.run_starts, plan.run_ends, 3 * ALIGNMENT)
+            assert ((plan.run_starts[run] + offset) % ALIGNMENT == 0).all() and (
+                length % ALIGNMENT == 0
+            ).all()
+            assert length.sum() == plan.nbytes
+
+
+def test_every_issued_request_is_aligned_in_direct_mode(direct_dir: Path, monkeypatch) -> None:
+    f, _ = make_file(direct_dir, 3000, 576)
+    issued = []
+    real_preadv = os.preadv
+
+    def spy(fd, buffers, offset):
+        issued.append((offset, sum(memoryview(b).nbytes for b in buffers), memoryview(buffers[0])))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(reader_mod.os, "preadv", spy)
+    with StoreReader(
+        {0: f}, direct_io=True, threads=4, chunk_bytes=2 * ALIGNMENT, buffer_bytes=40000
+    ) as reader:
+        ids = random_ids(f.rows, 900, 5)
+        out = torch.empty(900, 576, dtype=torch.bfloat16)
+        reader.read(0, ids, out)
+        np.testing.assert_array_equal(out.view(torch.uint8).numpy(), reference(f, ids))
+        assert len(issued) == reader.reads_issued
+        for offset, length, view in issued:
+            address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+            assert offset % ALIGNMENT == 0 and length % ALIGNMENT == 0 and address % ALIGNMENT == 0
+
+
+def test_fallback_when_o_direct_refused(tmp_path: Path, monkeypatch) -> None:
+    f, _ = make_file(tmp_path, 100, 576)
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(reader_mod.os, "open", no_direct)
+    with StoreReader({0: f}) as reader:
+        assert reader.mode == "buffered"
+        assert "O_DIRECT" in reader.fallback_reason and str(f.path) in reader.fallback_reason
+        ids = torch.tensor([3, 4, 50])
+        out = torch.empty(3, 576, dtype=torch.bfloat16)
+        reader.read(0, ids, out)
+        np.testing.assert_array_equal(out.view(torch.uint8).numpy(), reference(f, ids))
+    with pytest.raises(DirectIOUnavailableError, match="direct_io=True") as info:
+        StoreReader({0: f}, direct_io=True)
+    assert isinstance(info.value, FlashLMError) and isinstance(info.value, OSError)
+    with StoreReader({0: f}, direct_io=False) as reader:
+        assert reader.mode == "buffered" and reader.fallback_reason is None
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_fallback_on_real_tmpfs() -> None:
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        if _direct_ok(Path(d)):
+            pytest.skip("/dev/shm accepts O_DIRECT here (not tmpfs)")
+        f, _ = make_file(Path(d), 50, 576)
+        with StoreReader({0: f}) as reader:
+            assert reader.mode == "buffered" and reader.fallback_reason
+        with pytest.raises(DirectIOUnavailableError):
+            StoreReader({0: f}, direct_io=True)
+
+
+def test_direct_mode_has_no_fallback_reason(direct_dir: Path) -> None:
+    f, _ = make_file(direct_dir, 10, 576)
+    with StoreReader({0: f}) as reader:
+        assert reader.mode == "direct" and reader.fallback_reason is None
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_truncated_file_raises(direct_dir: Path, direct: bool) -> None:
+    f, _ = make_file(direct_dir, 1000, 576)
+    os.truncate(f.path, f.data_offset + f.nbytes - 5000)
+    with pytest.raises(StoreCorruptError, match="truncated"):
+        StoreReader({0: f}, direct_io=direct)
+    # Truncated after opening: the read itself notices.
+    f, _ = make_file(direct_dir, 1000, 576, name="later.bin")
+    with StoreReader({0: f}, direct_io=direct) as reader:
+        os.truncate(f.path, f.data_offset + 500 * f.row_bytes + 10)
+        out = torch.empty(2, 576, dtype=torch.bfloat16)
+        reader.read(0, torch.tensor([1, 2]), out)  # before the cut: fine
+        with pytest.raises(StoreCorruptError, match="truncated"):
+            reader.read(0, torch.tensor([1, 700]), out)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_small_buffer_serves_in_batches(direct_dir: Path, direct: bool) -> None:
+    f, _ = make_file(direct_dir, 2000, 1728)  # 3456-byte rows
+    small = f.row_bytes + 2 * ALIGNMENT + 1
+    for buffer_bytes in (small, 64 * 1024):
+        with StoreReader({0: f}, direct_io=direct, buffer_bytes=buffer_bytes, merge_gap_bytes=8192) as reader:
+            assert reader.buffer_bytes >= buffer_bytes and reader.buffer_bytes % ALIGNMENT == 0
+            for ids in (random_ids(f.rows, 800, 9), torch.arange(f.rows)):
+                out = torch.empty(len(ids), 1728, dtype=torch.bfloat16)
+                reader.read(0, ids, out)
+                np.testing.assert_array_equal(out.view(torch.uint8).numpy(), reference(f, ids))
+
+
+def test_default_buffer_holds_the_largest_file(direct_dir: Path) -> None:
+    a, _ = make_file(direct_dir, 300, 576, name="a.bin")
+    b, _ = make_file(direct_dir, 100, 576, name="b.bin")
+    with StoreReader({0: a, 1: b}) as reader:
+        assert reader.buffer_bytes >= a.nbytes + 2 * ALIGNMENT
+
+
+def test_bad_arguments(direct_dir: Path) -> None:
+    f, _ = make_file(direct_dir, 100, 576)
+    with pytest.raises(FlashLMError, match="chunk_bytes"):
+        StoreReader({0: f}, chunk_bytes=1000)
+    with pytest.raises(FlashLMError, match="buffer_bytes"):
+        StoreReader({0: f}, buffer_bytes=100)
+    reader = StoreReader({0: f})
+    out = torch.empty(4, 576, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="sorted"):
+        reader.read(0, torch.tensor([3, 1]), out)
+    with pytest.raises(ValueError, match="lie in"):
+        reader.read(0, torch.tensor([99, 100]), out)
+    with pytest.raises(ValueError, match="out"):
+        reader.read(0, torch.tensor([1]), torch.empty(1, 576))
+    with pytest.raises(KeyError):
+        reader.read(1, torch.tensor([1]), out)
+    reader.read(0, torch.tensor([], dtype=torch.int64), out)
+    assert reader.reads_issued == 0
+    reader.close()
+    reader.close()
+    with pytest.raises(ValueError, match="closed"):
+        reader.read(0, torch.tensor([1]), out)
+
+
+def test_break_even_gap() -> None:
+    assert break_even_gap_bytes(20e-6, 1.5e9) == 28672  # 30 KB, whole pages
+    assert break_even_gap_bytes(1e-6, 1e9) == 0
+    assert reader_mod.DEFAULT_MERGE_GAP_BYTES % ALIGNMENT == 0
+
+
+def _proc_read_bytes() -> int | None:
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+    except (OSError, StopIteration):
+        return None
+
+
+def test_bytes_read_agrees_with_proc_io(direct_dir: Path) -> None:
+    if _proc_read_bytes() is None:
+        pytest.skip("/proc/self/io is not available")
+    f, _ = make_file(direct_dir, 6000, 1728)  # ~20 MB
+    with StoreReader({0: f}, direct_io=True) as reader:
+        before = _proc_read_bytes()
+        for seed in range(4):
+            ids = random_ids(f.rows, 1500, seed)
+            reader.read(0, ids, torch.empty(1500, 1728, dtype=torch.bfloat16))
+        kernel = _proc_read_bytes() - before
+    if kernel == 0:
+        pytest.skip("this kernel does not account O_DIRECT reads in /proc/self/io (read_bytes stayed 0)")
+    assert reader.bytes_read == pytest.approx(kernel, rel=0.10)
