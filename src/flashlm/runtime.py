@@ -19,7 +19,8 @@ class FlashRuntime:
     """Owns the reader and the shared buffers; builds each layer's cache from one memory budget.
 
     The budget covers everything flashlm allocates for streaming: the staging buffer (one layer's
-    worth of missed units), the reader's I/O buffer, and every layer's cache slots and indices.
+    worth of missed units), the down-projection workspace, the reader's I/O buffer, and every
+    layer's cache slots and indices.
     """
 
     def __init__(self, store: Store, config: FlashConfig) -> None:
@@ -36,21 +37,36 @@ class FlashRuntime:
         first = row_files[0]
         self.width = first.width
         self.unit_bytes = first.row_bytes
-        staging_bytes = max(f.rows for f in row_files.values()) * first.row_bytes
+        self.max_units = max(f.rows for f in row_files.values())
+        self.d_model = store.d_model
+        staging_bytes = self.max_units * first.row_bytes
+        workspace_bytes = self.max_units * store.d_model * store.dtype.itemsize
         self.budget_bytes = config.budget.resolve(store.nbytes(STREAMED_KIND))
         self.plan: BudgetPlan = split_budget(
             self.budget_bytes,
             unit_bytes=[f.row_bytes for f in row_files.values()],
             num_units=[f.rows for f in row_files.values()],
-            overhead_bytes=staging_bytes + self.reader.buffer_bytes,
+            overhead_bytes=staging_bytes + workspace_bytes + self.reader.buffer_bytes,
             policy=config.policy,
         )
-        self.staging = torch.empty(staging_bytes // first.row_bytes, first.width, dtype=store.dtype, device="cpu")
+        self.staging = torch.empty(self.max_units, first.width, dtype=store.dtype, device="cpu")
+        self._workspaces: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self.down_workspace(torch.device("cpu"), store.dtype)
         self.stats = StatsRecorder()
 
     @staticmethod
     def store_key(layer: int) -> tuple[int, str]:
         return (layer, STREAMED_KIND)
+
+    def down_workspace(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """`[units, d_model]` matrix where a layer's down-projection rows are assembled in unit order.
+
+        One per (device, dtype) the model computes in, allocated on first use and then reused.
+        """
+        key = (torch.device(device), dtype)
+        if key not in self._workspaces:
+            self._workspaces[key] = torch.empty(self.max_units, self.d_model, dtype=dtype, device=device)
+        return self._workspaces[key]
 
     def make_cache(self, layer: int) -> NeuronCache:
         """Layer `layer`'s cache, with the capacity the budget plan gives it (allocated on the CPU)."""
@@ -68,7 +84,8 @@ class FlashRuntime:
         cache_bytes = sum(
             cache.nbytes + sum(b.numel() * b.element_size() for b in cache.policy.buffers()) for cache in caches
         )
-        return cache_bytes + self.staging.numel() * self.staging.element_size() + self.reader.buffer_bytes
+        buffers = [self.staging, *self._workspaces.values()]
+        return cache_bytes + sum(b.numel() * b.element_size() for b in buffers) + self.reader.buffer_bytes
 
     def snapshot(self, caches: list[NeuronCache]) -> FlashStats:
         mode = "direct" if self.reader.mode == "direct" else f"buffered ({self.reader.fallback_reason or 'asked'})"

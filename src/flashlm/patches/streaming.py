@@ -13,6 +13,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..cache import NeuronCache
@@ -119,23 +120,23 @@ class StreamingMLP(nn.Module):
     def _mlp(self, groups: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
         """The MLP over the units in `groups` ((rows, unit ids) pairs that together cover what is needed).
 
-        The down projection sums over units; with more than one group the partial sums are added
-        in float32 and rounded once, so splitting the units between cache and staging changes the
-        result only by float32 reordering, not by an extra bf16 rounding.
+        Each unit's intermediate activation is one dot product per input projection, exact in any
+        layout. The down projection sums over units, so its rows are assembled in unit order in
+        the runtime's workspace: the product is then the same kernel on the same matrix as the
+        dense model's (transposed to the dense weight's layout when many tokens share it, where
+        the kernel is layout-sensitive), which makes density 1.0 bit-exact.
         """
-        partials = []
+        hidden = x.new_empty(x.shape[0], self.d_ff)
+        down = self.runtime.down_workspace(x.device, x.dtype)
         for rows, ids in groups:
             rows = rows.to(device=x.device, dtype=x.dtype, non_blocking=True)
-            hidden, down = self._hidden(rows, ids, x)
-            partials.append((hidden, down))
-        if len(partials) == 1:
-            hidden, down = partials[0]
-            out = hidden @ down
-        else:
-            out = sum(hidden.float() @ down.float() for hidden, down in partials).to(x.dtype)
-        if self.down_bias is not None:
-            out = out + self.down_bias
-        return out
+            ids = ids.to(x.device)
+            unit_hidden, unit_down = self._hidden(rows, ids, x)
+            hidden.index_copy_(1, ids, unit_hidden)
+            down.index_copy_(0, ids, unit_down)
+        if x.shape[0] > 1:
+            return F.linear(hidden, down.T.contiguous(), self.down_bias)
+        return hidden @ down if self.down_bias is None else torch.addmm(self.down_bias, hidden, down)
 
     def _hidden(
         self, rows: torch.Tensor, ids: torch.Tensor, x: torch.Tensor
@@ -144,9 +145,7 @@ class StreamingMLP(nn.Module):
         d = self.d_model
         if self.gated:
             gate, up, down = rows[:, :d], rows[:, d : 2 * d], rows[:, 2 * d :]
-            return self.act(x @ gate.T) * (x @ up.T), down
+            return self.act(F.linear(x, gate)) * F.linear(x, up), down
         up, down = rows[:, :d], rows[:, d:]
-        pre = x @ up.T
-        if self.up_bias is not None:
-            pre = pre + self.up_bias[ids.to(self.up_bias.device)]
-        return self.act(pre), down
+        bias = None if self.up_bias is None else self.up_bias[ids.to(self.up_bias.device)]
+        return self.act(F.linear(x, up, bias)), down
