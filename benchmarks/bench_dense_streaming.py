@@ -58,7 +58,7 @@ def mlp_disk_device_map(model_path: Path) -> dict[str, str]:
         model = AutoModelForCausalLM.from_config(config)
     mlp_names = [name for _, name, _ in find_mlps(model, spec_for(model_type_of(config)))]
     device_map = {name: "disk" for name in mlp_names}
-    for name, _ in model.named_parameters():
+    for name, _ in model.named_parameters(remove_duplicate=False):
         module = name.rsplit(".", 1)[0]
         if not any(module == m or module.startswith(m + ".") for m in mlp_names):
             device_map[module] = "cpu"
@@ -166,21 +166,22 @@ def markdown(results: list[dict], mlp_bytes: int) -> str:
     ram = next(r for r in results if r["config"] == "ram")
     cold = next((r for r in results if r["config"] == "accelerate-cold"), None)
     lines = [
-        "| configuration | regime | cache budget | decode tok/s | × accelerate-cold | bytes read/token "
+        "| configuration | regime | cache budget | decode tok/s | x accelerate-cold | bytes read/token "
         "(/proc) MB | reader bytes/token MB | reads/token | hit rate | I/O / cache / compute ms | "
         "peak RSS MB | tokens = ram |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        regime = {"ram": "in RAM", "accelerate-cold": "cold (page cache dropped every step)",
-                  "accelerate-warm": "warm (page cache kept; reference)"}.get(r["config"], r.get("io_mode", ""))
+        regime = {
+            "ram": "in RAM",
+            "accelerate-cold": "cold (page cache dropped every step)",
+            "accelerate-warm": "warm (page cache kept; reference)",
+        }.get(r["config"], r.get("io_mode", ""))
         budget = "—"
         if "budget_bytes" in r:
             budget = f"{r['budget_bytes'] / 1e6:.1f} MB ({r['budget_bytes'] / mlp_bytes:.0%})"
         ratio = f"{r['decode_tok_s'] / cold['decode_tok_s']:.2f}" if cold else "—"
-        split = (
-            f"{r['io_ms']:.1f} / {r['cache_ms']:.1f} / {r['compute_ms']:.1f}" if "io_ms" in r else "—"
-        )
+        split = f"{r['io_ms']:.1f} / {r['cache_ms']:.1f} / {r['compute_ms']:.1f}" if "io_ms" in r else "—"
         lines.append(
             f"| {r['config']} | {regime} | {budget} | {r['decode_tok_s']:.2f} | {ratio} | "
             f"{fmt_mb(r['proc_read_bytes_per_token'])} | {fmt_mb(r.get('reader_bytes_per_token'))} | "
@@ -196,7 +197,9 @@ def markdown(results: list[dict], mlp_bytes: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None, help="checkpoint dir (default: the embedded SmolLM2)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--budgets", default="100%,50%,25%,min")
@@ -222,9 +225,7 @@ def main() -> None:
     store = work / "store.flash"
     flashlm.convert(model, store, progress=True)
     mlp_bytes = flashlm.Store.open(store).nbytes("bundle")
-    budgets = [
-        str(minimum_budget(store)) if b == "min" else b for b in args.budgets.split(",") if b
-    ]
+    budgets = [str(minimum_budget(store)) if b == "min" else b for b in args.budgets.split(",") if b]
     configs = [("ram", None), ("accelerate-cold", None), ("accelerate-warm", None)]
     configs += [(f"flashlm-dense@{b if b.endswith('%') else 'min'}", b) for b in budgets]
     skip = set(filter(None, args.skip.split(",")))
@@ -233,8 +234,20 @@ def main() -> None:
         if name in skip:
             continue
         print(f"== {name}", file=sys.stderr, flush=True)
-        cmd = [sys.executable, __file__, "--child", name, "--model", str(model), "--store", str(store),
-               "--offload-dir", str(work / f"offload-{name}"), "--new-tokens", str(args.new_tokens)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            name,
+            "--model",
+            str(model),
+            "--store",
+            str(store),
+            "--offload-dir",
+            str(work / f"offload-{name}"),
+            "--new-tokens",
+            str(args.new_tokens),
+        ]
         if budget:
             cmd += ["--budget", budget]
         proc = subprocess.run(cmd, capture_output=True, text=True)

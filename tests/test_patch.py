@@ -7,14 +7,13 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_CONFIGS, TINY_VARIANTS
 from transformers import AutoModelForCausalLM
 
 import flashlm
 from flashlm.errors import BudgetTooSmallError, StoreMismatchError, UnsupportedArchitectureError
 from flashlm.patches import StreamingMLP
 from flashlm.patching import streaming_mlps
-
-from conftest import TINY_CONFIGS, TINY_VARIANTS
 
 ARCHS = sorted(TINY_CONFIGS | TINY_VARIANTS)
 CACHED_FRACTIONS = [0.0, 0.3, 0.7, 1.0]
@@ -38,7 +37,9 @@ def budget_caching(store_path, fraction: float) -> int:
 def load_patched(path, store, cached_fraction=0.5, **options):
     if not store.exists():
         flashlm.convert(path, store, progress=False)
-    config = flashlm.FlashConfig(store=str(store), memory_budget=budget_caching(store, cached_fraction), **options)
+    config = flashlm.FlashConfig(
+        store=str(store), memory_budget=budget_caching(store, cached_fraction), **options
+    )
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
 
 
@@ -91,7 +92,9 @@ def test_save_and_reload_restores_patched_model(arch, make_tiny_checkpoint, tmp_
     assert "store" not in saved_config and "memory_budget" not in saved_config
 
     monkeypatch.setenv("FLASHLM_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("FLASHLM_MEMORY_BUDGET", "10MB")  # runtime options of a saved model come from the machine
+    monkeypatch.setenv(
+        "FLASHLM_MEMORY_BUDGET", "10MB"
+    )  # runtime options of a saved model come from the machine
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     assert streaming_mlps(reloaded) and reloaded.config.quantization_config.policy == "lfu"
     ids = prompt_ids(reference.config.get_text_config().vocab_size)
@@ -110,7 +113,9 @@ def test_patch_and_unpatch_loaded_model(arch, make_tiny_checkpoint, tmp_path):
 
     flashlm.convert(path, tmp_path / "store", progress=False)
     budget = budget_caching(tmp_path / "store", 0.4)
-    flashlm.patch(model, flashlm.FlashConfig(store=str(tmp_path / "store"), memory_budget=budget), progress=False)
+    flashlm.patch(
+        model, flashlm.FlashConfig(store=str(tmp_path / "store"), memory_budget=budget), progress=False
+    )
     patched = tuple(name + "." for name, module in model.named_modules() if isinstance(module, StreamingMLP))
     assert patched
     assert not [name for name, _ in model.named_parameters() if name.startswith(patched)]

@@ -20,7 +20,9 @@ def reference(smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir)
     assert model.dtype == torch.bfloat16
-    text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True
+    )
     inputs = tokenizer(text, return_tensors="pt")
     with torch.inference_mode():
         tokens = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -61,7 +63,8 @@ def test_reader_bytes_agree_with_proc_io(smollm2_dir, store, reference):
     """Under O_DIRECT the reader's byte counter is what the kernel says the process read."""
     inputs, _, _ = reference
     model = AutoModelForCausalLM.from_pretrained(
-        smollm2_dir, quantization_config=flashlm.FlashConfig(store=str(store), memory_budget="25%", direct_io=True)
+        smollm2_dir,
+        quantization_config=flashlm.FlashConfig(store=str(store), memory_budget="25%", direct_io=True),
     )
 
     def proc_read_bytes() -> int:

@@ -2,10 +2,10 @@
 
 __version__ = "0.1.0"
 
-from .config import FlashConfig  # noqa: E402
-from .integrations.transformers import register as _register  # noqa: E402
-from .patching import patch, reset_stats, stats, unpatch  # noqa: E402
-from .store import Store, convert  # noqa: E402
+from .config import FlashConfig
+from .integrations.transformers import register as _register
+from .patching import patch, reset_stats, stats, unpatch
+from .store import Store, convert
 
 _register()
 

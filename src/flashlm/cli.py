@@ -16,7 +16,9 @@ def _add_runtime_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", default="dense", help="what each MLP does (default: dense)")
     parser.add_argument("--density", type=float, default=1.0, help="target MLP density in (0, 1]")
     parser.add_argument("--policy", default="lru", help="cache policy: lru, lfu or window")
-    parser.add_argument("--memory-budget", default=None, help="cache budget: bytes, '512MB' or '50%%' of MLP bytes")
+    parser.add_argument(
+        "--memory-budget", default=None, help="cache budget: bytes, '512MB' or '50%%' of MLP bytes"
+    )
     parser.add_argument("--store", default=None, help="store path (default: one in flashlm's cache)")
     parser.add_argument("--no-direct-io", action="store_true", help="read through the page cache")
     parser.add_argument("--io-threads", type=int, default=None, help="reader threads")
@@ -53,8 +55,14 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(json.dumps(manifest, indent=2))
         return 0
     print(f"store          {store.path}")
-    print(f"format         {manifest['format']} v{manifest['format_version']} (flashlm {manifest['flashlm_version']})")
-    print(f"model          {store.model_type}: {store.num_layers} layers, d_model {store.d_model}, d_ff {store.d_ff}")
+    print(
+        f"format         {manifest['format']} v{manifest['format_version']} "
+        f"(flashlm {manifest['flashlm_version']})"
+    )
+    print(
+        f"model          {store.model_type}: {store.num_layers} layers, "
+        f"d_model {store.d_model}, d_ff {store.d_ff}"
+    )
     print(f"MLP            {'gated' if store.gated else 'plain'}, {manifest['dtype']}")
     print(f"source         {manifest['source'].get('path')}")
     print(f"content sha256 {manifest['source'].get('content_sha256')}")
@@ -95,8 +103,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     snapshot = stats(model)
     print()
     if args.steps:
-        print(f"{'step':>4} {'tokens':>6} {'read':>10} {'reads':>6} {'hit rate':>8} {'I/O ms':>7} "
-              f"{'cache ms':>8} {'compute ms':>10}")
+        print(
+            f"{'step':>4} {'tokens':>6} {'read':>10} {'reads':>6} {'hit rate':>8} {'I/O ms':>7} "
+            f"{'cache ms':>8} {'compute ms':>10}"
+        )
         for step in snapshot.per_step():
             lookups = step["hits"] + step["misses"]
             print(
@@ -126,11 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=cmd_info)
 
     generate = sub.add_parser("generate", help="generate text with a streaming model and print its stats")
-    generate.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct)")
+    generate.add_argument(
+        "--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct)"
+    )
     generate.add_argument("--prompt", default="What is the capital of France?")
     generate.add_argument("--max-new-tokens", type=int, default=64)
-    generate.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
-    generate.add_argument("--no-steps", dest="steps", action="store_false", help="omit the per-token stats lines")
+    generate.add_argument(
+        "--no-chat", dest="chat", action="store_false", help="do not apply the chat template"
+    )
+    generate.add_argument(
+        "--no-steps", dest="steps", action="store_false", help="omit the per-token stats lines"
+    )
     _add_runtime_options(generate)
     generate.set_defaults(func=cmd_generate)
     return parser

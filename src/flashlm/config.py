@@ -23,7 +23,7 @@ QUANT_METHOD = "flashlm"
 METHODS = ("dense",)
 POLICIES = ("lru", "lfu", "window")
 PERSISTED_OPTIONS = ("method", "density", "policy", "window")
-RUNTIME_OPTIONS = ("store", "memory_budget", "direct_io", "io_threads")
+RUNTIME_OPTIONS = ("store", "memory_budget", "direct_io", "io_threads", "io_chunk_bytes")
 DEFAULT_MEMORY_BUDGET = "50%"
 _PERCENT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 
@@ -40,7 +40,7 @@ class Budget:
         """`"512MB"`, `1_000_000` and `"50%"` are budgets; anything else raises `ConfigError`."""
         if isinstance(value, str) and (match := _PERCENT_RE.match(value)):
             fraction = float(match.group(1)) / 100
-            if not 0 < fraction:
+            if not fraction > 0:
                 raise ConfigError(f"memory_budget {value!r} must be a positive percentage.")
             return cls(fraction=fraction)
         if isinstance(value, float):
@@ -72,6 +72,7 @@ class FlashConfig(QuantizationConfigMixin):
             file system allow and falls back to buffered reads otherwise (stats say which); `True`
             requires it; `False` never uses it.
         io_threads: reader threads. `None` takes the measured default.
+        io_chunk_bytes: longest single read (a multiple of 4096). `None` takes the measured default.
     """
 
     def __init__(
@@ -84,6 +85,7 @@ class FlashConfig(QuantizationConfigMixin):
         memory_budget: int | str | None = None,
         direct_io: bool | None = None,
         io_threads: int | None = None,
+        io_chunk_bytes: int | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.pop("flashlm_version", None)
@@ -106,6 +108,7 @@ class FlashConfig(QuantizationConfigMixin):
         )
         self.direct_io = direct_io
         self.io_threads = io_threads
+        self.io_chunk_bytes = io_chunk_bytes
         self.post_init()
 
     def post_init(self) -> None:
@@ -124,6 +127,12 @@ class FlashConfig(QuantizationConfigMixin):
             raise ConfigError(f"window must be a positive number of tokens, got {self.window!r}.")
         if self.io_threads is not None and (not isinstance(self.io_threads, int) or self.io_threads < 1):
             raise ConfigError(f"io_threads must be a positive int or None, got {self.io_threads!r}.")
+        if self.io_chunk_bytes is not None and (
+            not isinstance(self.io_chunk_bytes, int) or self.io_chunk_bytes <= 0 or self.io_chunk_bytes % 4096
+        ):
+            raise ConfigError(
+                f"io_chunk_bytes must be a positive multiple of 4096 or None, got {self.io_chunk_bytes!r}."
+            )
         if self.direct_io not in (None, True, False):
             raise ConfigError(f"direct_io must be True, False or None, got {self.direct_io!r}.")
         self.budget = Budget.parse(self.memory_budget)

@@ -31,13 +31,21 @@ def default_store_path(name: str, key: str) -> Path:
     return cache_dir() / "stores" / f"{safe_name}-{key[:16]}.flash"
 
 
-def open_store_for_checkpoint(checkpoint_dir: str | Path, config: FlashConfig, *, progress: bool = True) -> Store:
+def open_store_for_checkpoint(
+    checkpoint_dir: str | Path, config: FlashConfig, *, progress: bool = True
+) -> Store:
     """The store of a safetensors checkpoint: opened and checked, or converted first if missing."""
     source = SafetensorsSource(checkpoint_dir)
     fingerprint = source.fingerprint()
-    path = Path(config.store).expanduser() if config.store else default_store_path(str(checkpoint_dir), fingerprint)
+    path = (
+        Path(config.store).expanduser()
+        if config.store
+        else default_store_path(str(checkpoint_dir), fingerprint)
+    )
     if not path.exists():
-        logger.warning("flashlm: no store at %s; converting %s (one pass over the checkpoint).", path, checkpoint_dir)
+        logger.warning(
+            "flashlm: no store at %s; converting %s (one pass over the checkpoint).", path, checkpoint_dir
+        )
         convert(source, path, progress=progress)
     store = Store.open(path)
     store.check_matches(model_type=source.model_type, fingerprint=fingerprint)
@@ -109,7 +117,9 @@ def streaming_mlps(model: nn.Module) -> list[StreamingMLP]:
 def _runtime_of(model: nn.Module) -> FlashRuntime:
     modules = streaming_mlps(model)
     if not modules:
-        raise ValueError(f"{type(model).__name__} is not patched by flashlm: call flashlm.patch(model) first.")
+        raise ValueError(
+            f"{type(model).__name__} is not patched by flashlm: call flashlm.patch(model) first."
+        )
     return modules[0].runtime
 
 
@@ -193,7 +203,10 @@ def unpatch(model: nn.Module) -> nn.Module:
                 with torch.no_grad():
                     target.copy_(weights[key])
     runtime.close()
-    if getattr(model, "hf_quantizer", None) is not None and type(model.hf_quantizer).__name__ == "FlashQuantizer":
+    if (
+        getattr(model, "hf_quantizer", None) is not None
+        and type(model.hf_quantizer).__name__ == "FlashQuantizer"
+    ):
         del model.hf_quantizer
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
@@ -208,7 +221,7 @@ def stats(model: nn.Module, *, reset: bool = False) -> FlashStats:
     """
     modules = streaming_mlps(model)
     runtime = _runtime_of(model)
-    snapshot = runtime.snapshot([module.cache for module in modules])
+    snapshot = runtime.snapshot()
     if reset:
         runtime.stats.reset()
         for module in modules:

@@ -15,7 +15,9 @@ import numpy as np
 from ._utils import format_bytes
 
 COUNTER_FIELDS = ("tokens", "bytes_read", "reads", "hits", "misses", "evictions")
-TIME_FIELDS = ("io_s", "cache_s", "compute_s")
+TIME_FIELDS = ("io_s", "io_busy_s", "cache_s", "compute_s")
+"""`io_s` is the time a layer waited for its reads (what I/O adds to latency); `io_busy_s` how long
+those reads took on the background reader, mostly overlapped with the previous layer's work."""
 FIELDS = ("step", "layer", *COUNTER_FIELDS, *TIME_FIELDS)
 
 
@@ -38,7 +40,9 @@ class StatsRecorder:
 
     def snapshot(self, *, io_mode: str, resident_bytes: int, budget_bytes: int) -> FlashStats:
         table = np.array(self.rows, dtype=np.float64).reshape(-1, len(FIELDS))
-        return FlashStats(table=table, io_mode=io_mode, resident_bytes=resident_bytes, budget_bytes=budget_bytes)
+        return FlashStats(
+            table=table, io_mode=io_mode, resident_bytes=resident_bytes, budget_bytes=budget_bytes
+        )
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,9 @@ class FlashStats:
         if decode_only and steps:
             first_tokens = steps[-1]["tokens"]
             steps = [s for s in steps if s["tokens"] == first_tokens and s["step"] != steps[0]["step"]]
-        total: dict[str, Any] = {name: sum(s[name] for s in steps) for name in COUNTER_FIELDS[1:] + TIME_FIELDS}
+        total: dict[str, Any] = {
+            name: sum(s[name] for s in steps) for name in COUNTER_FIELDS[1:] + TIME_FIELDS
+        }
         total["steps"] = len(steps)
         lookups = total["hits"] + total["misses"]
         total["hit_rate"] = total["hits"] / lookups if lookups else float("nan")
@@ -128,7 +134,8 @@ class FlashStats:
         return (
             f"{t['steps']} steps | per step: {format_bytes(t['bytes_read_per_step'])} read in "
             f"{t['reads_per_step']:.0f} reads, hit rate {t['hit_rate']:.1%} | "
-            f"I/O {ms['io_s']:.1f} ms, cache {ms['cache_s']:.1f} ms, compute {ms['compute_s']:.1f} ms | "
+            f"I/O wait {ms['io_s']:.1f} ms (reads took {ms['io_busy_s']:.1f} ms, overlapped), "
+            f"cache {ms['cache_s']:.1f} ms, compute {ms['compute_s']:.1f} ms | "
             f"reads {self.io_mode} | resident {format_bytes(self.resident_bytes)} "
             f"of {format_bytes(self.budget_bytes)} budget"
         )

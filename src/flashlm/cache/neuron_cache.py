@@ -174,6 +174,12 @@ class NeuronCache(nn.Module):
         ids = ids.to(self.slot_of.device)
         rows = rows.to(device=self.rows.device, dtype=self.rows.dtype)
         fresh = torch.nonzero(self.slot_of[ids] < 0).squeeze(1)
+        if self.size == self.capacity and fresh.numel():
+            # Full cache: nothing enters unless some candidate beats the weakest resident. Checking
+            # that with two reductions spares the sorts on the common steady-state step.
+            best = self.policy.priority(ids[fresh]).max()
+            if best <= self.policy.priority(self.resident_ids).min():
+                return
         order = fresh[self._rank(ids[fresh], descending=True)]  # indices into ids/rows, best first
 
         n_fill = min(self.capacity - self.size, order.numel())

@@ -69,7 +69,7 @@ class FlashQuantizer(HfQuantizer):
         return model
 
     def get_state_dict_and_metadata(self, model):
-        """The full state dict, the MLP weights read back from the store, so the saved checkpoint is complete."""
+        """The full state dict, MLP weights read back from the store: a saved checkpoint is complete."""
         from ..patching import dense_mlp_weights
 
         state_dict = dict(model.state_dict())

@@ -66,6 +66,7 @@ class StreamingMLP(nn.Module):
         transformers' loader replaces all non-persistent buffers with uninitialized placeholders
         after weight loading; the quantizer calls this once loading is done.
         """
+        self.runtime.drain()
         self.unit_ids.copy_(torch.arange(self.d_ff))
         resident = self.runtime.store.resident(self.layer)
         for name in ("up_bias", "down_bias"):
@@ -84,34 +85,35 @@ class StreamingMLP(nn.Module):
         if self.layer == 0:
             runtime.stats.begin_step()
         x = hidden_states.reshape(-1, self.d_model)
-        reader = runtime.reader
-        bytes_before, reads_before = reader.bytes_read, reader.reads_issued
         hits_before, misses_before = self.cache.hits, self.cache.misses
         evictions_before = self.cache.evictions
 
         start = perf_counter()
         _, _, miss_ids = self.cache.lookup(self.unit_ids)
         looked_up = perf_counter()
-        missed = runtime.staging[: miss_ids.numel()]
-        if miss_ids.numel():
-            reader.read(runtime.store_key(self.layer), miss_ids, missed)
+        fetched = runtime.fetch(self.layer, miss_ids)
+        runtime.prefetch(fetched)
         read_done = perf_counter()
 
-        groups = [(self.cache.rows[: self.cache.size], self.cache.slot_ids[: self.cache.size]), (missed, miss_ids)]
+        groups = [
+            (self.cache.rows[: self.cache.size], self.cache.slot_ids[: self.cache.size]),
+            (fetched.rows, miss_ids),
+        ]
         out = self._mlp([(rows, ids) for rows, ids in groups if ids.numel()], x)
         computed = perf_counter()
-        self.cache.update(self.unit_ids, miss_ids, missed, runtime.stats.step)
+        self.cache.update(self.unit_ids, miss_ids, fetched.rows, runtime.stats.step)
         updated = perf_counter()
 
         runtime.stats.record(
             self.layer,
             tokens=x.shape[0],
-            bytes_read=reader.bytes_read - bytes_before,
-            reads=reader.reads_issued - reads_before,
+            bytes_read=fetched.bytes_read,
+            reads=fetched.reads,
             hits=self.cache.hits - hits_before,
             misses=self.cache.misses - misses_before,
             evictions=self.cache.evictions - evictions_before,
             io_s=read_done - looked_up,
+            io_busy_s=fetched.busy_s,
             cache_s=(looked_up - start) + (updated - computed),
             compute_s=computed - read_done,
         )
@@ -126,14 +128,19 @@ class StreamingMLP(nn.Module):
         dense model's (transposed to the dense weight's layout when many tokens share it, where
         the kernel is layout-sensitive), which makes density 1.0 bit-exact.
         """
-        hidden = x.new_empty(x.shape[0], self.d_ff)
-        down = self.runtime.down_workspace(x.device, x.dtype)
-        for rows, ids in groups:
-            rows = rows.to(device=x.device, dtype=x.dtype, non_blocking=True)
-            ids = ids.to(x.device)
-            unit_hidden, unit_down = self._hidden(rows, ids, x)
-            hidden.index_copy_(1, ids, unit_hidden)
-            down.index_copy_(0, ids, unit_down)
+        if len(groups) == 1 and torch.equal(groups[0][1], self.unit_ids):
+            # One group already in unit order (everything cached, or everything read): no assembly.
+            rows = groups[0][0].to(device=x.device, dtype=x.dtype, non_blocking=True)
+            hidden, down = self._hidden(rows, self.unit_ids, x)
+        else:
+            hidden = x.new_empty(x.shape[0], self.d_ff)
+            down = self.runtime.down_workspace(x.device, x.dtype)
+            for rows, ids in groups:
+                rows = rows.to(device=x.device, dtype=x.dtype, non_blocking=True)
+                ids = ids.to(x.device)
+                unit_hidden, unit_down = self._hidden(rows, ids, x)
+                hidden.index_copy_(1, ids, unit_hidden)
+                down.index_copy_(0, ids, unit_down)
         if x.shape[0] > 1:
             return F.linear(hidden, down.T.contiguous(), self.down_bias)
         return hidden @ down if self.down_bias is None else torch.addmm(self.down_bias, hidden, down)

@@ -38,20 +38,27 @@ from .rowfile import ALIGNMENT, RowFile
 #   1 MiB            1554   1466   1542   1321   1072
 # 4 KiB latency on 1 thread: 101 us mean (97 us p50); best bandwidth 1671 MB/s (512 KiB x 2).
 # A second run (--seconds 1) agreed: 64 KiB x 8 threads 1637 MB/s, 20.0 us per 4 KiB read -> 32 KiB gap.
-# 64 KiB x 8 threads is the smallest chunk within 10% of the best, so chunks of 64 KiB on 8 threads.
-# The cost of one more request in a reader running 8 requests at a time is not the 1-thread
-# latency but its share of the pipeline: 1 / 50.1k 4 KiB reads/s at 8 threads = 20 us; times the
-# 1544 MB/s bandwidth at those settings -> 30.8 KB -> a 28 KiB merge gap. A sweep of StoreReader
-# calls on 3456-byte rows (5-50% of 1536 rows, 8 threads) agrees: fastest at 16-32 KiB, slower at 0
-# (25%: 9.8 ms vs 4.6 ms per call) and at >= 128 KiB, the gap the 1-thread latency would give (160 KiB).
-MEASURED_REQUEST_COST_S = 1 / 50_060
-"""Amortized time of one 4 KiB O_DIRECT random read with 8 requests in flight (seconds)."""
-MEASURED_BANDWIDTH = 1544e6
-"""Random-read bandwidth in 64 KiB chunks on 8 threads (bytes/s)."""
-DEFAULT_THREADS = 8
-"""Reader threads: 64 KiB reads gain under 10% past 8 threads (1544 -> 1576 MB/s at 16)."""
-DEFAULT_CHUNK_BYTES = 64 * 1024
-"""Largest single request: the smallest chunk within 10% of the best measured bandwidth."""
+# The disk alone peaks with many small requests (64 KiB x 8-16 threads), but during decode the reader
+# shares two cores with the model and every request costs Python time under the GIL. Measured where
+# it matters, dense-streaming decode of SmolLM2 at the smallest budget (all 158 MB read per token):
+#   python benchmarks/decode_io_settings.py --steps 10      (tok/s, two runs each; a noisy machine)
+#   8 x 64 KiB: 5.47, 4.28 | 4 x 128 KiB: 5.46, 4.57 | 4 x 256 KiB: 6.72, 5.62 | 3 x 256 KiB: 4.71, 5.00
+#   2 x 512 KiB: 5.71, 7.03 | 2 x 1 MiB: 6.98, 6.10
+# Fewer, larger requests win; 4 threads keep the small scattered reads of sparse methods
+# concurrent (4 KiB: 13.1k reads/s on 1 thread, 33.6k on 4), so 4 threads x 256 KiB chunks.
+# The cost of one more request in a reader running 4 requests at a time is not the 1-thread
+# latency but its share of the pipeline: 1 / 33.6k 4 KiB reads/s = 30 us; times the 1398 MB/s of
+# 256 KiB reads on 4 threads -> 41.6 KB -> a 40 KiB merge gap. A sweep of StoreReader calls on
+# 3456-byte rows (5-50% of 1536 rows, 8 threads) found the fastest gaps at 16-32 KiB, slower at 0
+# (25%: 9.8 ms vs 4.6 ms per call) and at >= 128 KiB, near what this model gives.
+MEASURED_REQUEST_COST_S = 1 / 33_600
+"""Amortized time of one 4 KiB O_DIRECT random read with 4 requests in flight (seconds)."""
+MEASURED_BANDWIDTH = 1398e6
+"""Random-read bandwidth in 256 KiB chunks on 4 threads (bytes/s)."""
+DEFAULT_THREADS = 4
+"""Reader threads (see the decode measurement above)."""
+DEFAULT_CHUNK_BYTES = 256 * 1024
+"""Largest single request (see the decode measurement above)."""
 
 
 def break_even_gap_bytes(latency_s: float, bandwidth: float, alignment: int = ALIGNMENT) -> int:

@@ -1,4 +1,4 @@
-"""`RowFile`: where one `[rows, width]` matrix of a store lies on disk (the reader's whole view of a store)."""
+"""`RowFile`: where one `[rows, width]` matrix of a store lies on disk (the reader's view of a store)."""
 
 from __future__ import annotations
 
