@@ -101,9 +101,9 @@ def replace_mlps(model: nn.Module, store: Store, config: FlashConfig) -> FlashRu
                 d_ff=store.d_ff,
                 up_bias=resident.get("up_bias"),
                 down_bias=resident.get("down_bias"),
+                dense_class=type(owner) if spec.owner else None,
             )
             target, identities = _target(spec, owner_name)
-            streaming.original_class = type(owner) if spec.owner else None
             model.set_submodule(target, streaming)
             for name in identities:
                 model.set_submodule(name, nn.Identity())
@@ -185,7 +185,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         dtype = runtime.store.dtype
         if spec.owner:
             with torch.device("meta"):
-                dense = module.original_class(text_config)
+                dense = module.dense_class(text_config)
             dense = dense.to_empty(device="cpu").to(dtype)
             model.set_submodule(name, dense)
             owner_name = name

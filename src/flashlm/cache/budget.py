@@ -2,8 +2,8 @@
 
 Everything flashlm allocates for streaming is paid from the budget, in this order:
 
-1. the fixed working memory (`overhead_bytes`: the staging buffer for one layer's misses and the
-   reader's I/O buffer), without which no token can be computed;
+1. the fixed working memory (`overhead_bytes`: the caller's staging buffers, workspaces and I/O
+   buffers), without which no token can be computed;
 2. each cache's per-unit indices (`slot_of` and the policy's state), whose size depends on the
    layer's unit count but not on its capacity;
 3. cache slots (a row plus its `slot_ids` entry), shared across layers in proportion to each
@@ -64,8 +64,8 @@ def split_budget(
         raise BudgetTooSmallError(
             f"memory_budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is too small: "
             f"streaming needs at least {format_bytes(minimum)} ({minimum} bytes), i.e. "
-            f"{format_bytes(overhead_bytes)} of working memory (one layer's misses and the reader's "
-            f"I/O buffer) plus {format_bytes(fixed_bytes)} of cache indices, before a single unit can be "
+            f"{format_bytes(overhead_bytes)} of working memory (staging for a layer's misses, "
+            f"workspace and I/O buffers) plus {format_bytes(fixed_bytes)} of cache indices, before a single unit can be "
             f"cached. Set a larger memory_budget.",
             minimum_bytes=minimum,
         )

@@ -1,9 +1,10 @@
 """`StreamingMLP`: an MLP whose weights live in the store and pass through a budgeted neuron cache.
 
 Every unit (one neuron bundle: gate row ‖ up row ‖ down column, or fc1 row ‖ fc2 column) that a
-step needs is either resident in the layer's `NeuronCache` or read from the store into the
-runtime's shared staging buffer; the MLP is then computed from the two groups of rows, and the
-cache policy decides which of the freshly read units to keep. `method="dense"` needs every unit
+step needs is either resident in the layer's `NeuronCache` or read from the store into one of the
+runtime's staging buffers (usually ahead of time, while the previous layer computed); the MLP is
+then computed from the two groups of rows, and the cache policy decides which of the freshly read
+units to keep. `method="dense"` needs every unit
 every step: exact dense streaming, the baseline every sparse method is measured against.
 """
 
@@ -27,11 +28,13 @@ class StreamingMLP(nn.Module):
 
     Args:
         layer: index of the decoder layer, the store's key for this MLP.
-        runtime: the model's `FlashRuntime` (store reader, staging buffer, stats).
+        runtime: the model's `FlashRuntime` (reader, staging buffers, prefetch, stats).
         cache: this layer's neuron cache (a submodule: `.to()` moves its slots).
         act: the activation module taken from the original MLP.
         gated: `down(act(gate x) * up x)` if True, else `down(act(up x + b)) + b`.
         up_bias, down_bias: biases of plain MLPs, kept resident.
+        dense_class: the class of the MLP module this one replaced, rebuilt by `unpatch` (None
+            where the projections sat on the decoder layer itself).
     """
 
     def __init__(
@@ -46,6 +49,7 @@ class StreamingMLP(nn.Module):
         d_ff: int,
         up_bias: torch.Tensor | None = None,
         down_bias: torch.Tensor | None = None,
+        dense_class: type[nn.Module] | None = None,
     ) -> None:
         super().__init__()
         self.layer = layer
@@ -55,6 +59,7 @@ class StreamingMLP(nn.Module):
         self.gated = gated
         self.d_model = d_model
         self.d_ff = d_ff
+        self.dense_class = dense_class
         self.register_buffer("unit_ids", torch.arange(d_ff), persistent=False)
         self.register_buffer("up_bias", up_bias, persistent=False)
         self.register_buffer("down_bias", down_bias, persistent=False)
