@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -47,6 +48,6 @@ def test_generate_prints_text_and_per_token_stats(smollm2_dir, tmp_path, capsys)
     )
     assert code == 0
     out = capsys.readouterr().out
-    step_lines = [line for line in out.splitlines() if line.strip()[:1].isdigit() and "MB" in line]
+    step_lines = [line for line in out.splitlines() if re.match(r"^\s*\d+\s+\d+\s+[\d.]+ [kMG]?B\s", line)]
     assert len(step_lines) == 4  # the prefill step, then one per generated token
     assert "hit rate" in out and "reads direct" in out

@@ -134,7 +134,7 @@ def patch(model: nn.Module, config: FlashConfig | None = None, *, progress: bool
     config = config or FlashConfig()
     if streaming_mlps(model):
         raise ValueError("The model is already patched by flashlm; call flashlm.unpatch(model) first.")
-    spec_for(model_type_of(model.config))
+    spec_for(model_type_of(model.config))  # an unsupported architecture fails before any hashing
     store = open_store_for_module(model, config, progress=progress)
     replace_mlps(model, store, config)
     if getattr(model, "hf_quantizer", None) is None and hasattr(model, "config"):
@@ -203,10 +203,9 @@ def unpatch(model: nn.Module) -> nn.Module:
                 with torch.no_grad():
                     target.copy_(weights[key])
     runtime.close()
-    if (
-        getattr(model, "hf_quantizer", None) is not None
-        and type(model.hf_quantizer).__name__ == "FlashQuantizer"
-    ):
+    from .integrations.transformers import FlashQuantizer
+
+    if isinstance(getattr(model, "hf_quantizer", None), FlashQuantizer):
         del model.hf_quantizer
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
