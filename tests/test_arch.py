@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -182,10 +183,8 @@ def test_saved_checkpoint_names_cover_every_layer(name, make_tiny_checkpoint):
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     module_owners = find_mlps(model, spec)
     checkpoint_owners = mlp_owner_names(spec, keys)
-    assert [
-        int(owner.rsplit(".", 2)[-2] if spec.owner else owner.rsplit(".", 1)[-1])
-        for owner in checkpoint_owners
-    ] == [index for index, _, _ in module_owners]
+    checkpoint_layers = [int(re.findall(r"\d+", owner)[-1]) for owner in checkpoint_owners]
+    assert checkpoint_layers == [index for index, _, _ in module_owners]
     for owner in checkpoint_owners:
         for role, key in mlp_weight_names(spec, owner).items():
             if not role.endswith("_bias"):
