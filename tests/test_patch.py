@@ -268,3 +268,15 @@ def test_streaming_module_has_no_parameters(make_tiny_checkpoint, tmp_path):
         assert isinstance(module, StreamingMLP)
         assert not list(module.parameters())
         assert not module.state_dict()
+
+
+def test_layers_called_out_of_order_stay_exact(make_tiny_checkpoint, tmp_path):
+    """A prefetch made for the next layer is discarded, not misused, when another layer runs."""
+    path = make_tiny_checkpoint("llama", dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    patched = load_patched(path, tmp_path / "store", 0.3)
+    x = torch.randn(1, 3, reference.config.hidden_size)
+    streaming = streaming_mlps(patched)
+    with torch.no_grad():
+        for layer in [1, 0, 0, 1, 1, 0]:
+            torch.testing.assert_close(streaming[layer](x), reference.model.layers[layer].mlp(x))

@@ -115,8 +115,7 @@ class FlashRuntime:
         rows = self.staging[buffer][: ids.numel()]
         bytes_before, reads_before = self.reader.bytes_read, self.reader.reads_issued
         started = perf_counter()
-        if ids.numel():
-            self.reader.read((layer, STREAMED_KIND), ids, rows)
+        self.reader.read((layer, STREAMED_KIND), ids, rows)
         return Fetch(
             layer,
             ids,
@@ -137,15 +136,22 @@ class FlashRuntime:
             buffer = 1 - fetched.buffer
         else:
             buffer = 0
-        return self._io.submit(self._read, layer, miss_ids, buffer).result()
+        return self._submit(layer, miss_ids, buffer).result()
 
     def prefetch(self, current: Fetch) -> None:
         """Start reading the next layer's misses into the staging buffer `current` does not use."""
         layer = (current.layer + 1) % self.num_layers
         cache = self.caches[layer]
         ids = torch.arange(cache.num_units)
-        miss_ids = ids[cache.slot_of[ids] < 0]
-        self._pending = self._io.submit(self._read, layer, miss_ids, 1 - current.buffer)
+        self._pending = self._submit(layer, ids[cache.slot_of[ids] < 0], 1 - current.buffer)
+
+    def _submit(self, layer: int, ids: torch.Tensor, buffer: int) -> Future[Fetch]:
+        """A read on the I/O thread, or, with nothing to read, a finished one without the thread hop."""
+        if ids.numel():
+            return self._io.submit(self._read, layer, ids, buffer)
+        done: Future[Fetch] = Future()
+        done.set_result(Fetch(layer, ids, self.staging[buffer][:0], buffer, 0, 0, 0.0))
+        return done
 
     def drain(self) -> None:
         """Wait for and drop an outstanding prefetch (before the caches change outside a forward)."""

@@ -1,0 +1,86 @@
+"""`FlashConfig`: validation, byte sizes, what is persisted and what stays on the machine."""
+
+from __future__ import annotations
+
+import pytest
+
+import flashlm
+from flashlm._utils import format_bytes, parse_bytes
+from flashlm.config import Budget, FlashConfig
+from flashlm.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [(1024, 1024), ("512MB", 512 * 10**6), ("1.5GiB", int(1.5 * 2**30)), ("10 kb", 10_000), ("7", 7)],
+)
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "5 parsecs", "-3MB", -1, True, "1e3MB"])
+def test_parse_bytes_rejects_what_it_cannot_read(bad):
+    with pytest.raises(ConfigError):
+        parse_bytes(bad)
+
+
+def test_format_bytes():
+    assert format_bytes(999) == "999 B"
+    assert format_bytes(1_536_000) == "1.54 MB"
+
+
+def test_budget_forms():
+    assert Budget.parse("25%").resolve(1000) == 250
+    assert Budget.parse("2MB").resolve(1000) == 2_000_000
+    assert Budget.parse(4096).resolve(10) == 4096
+    with pytest.raises(ConfigError, match="ambiguous"):
+        Budget.parse(0.5)
+    with pytest.raises(ConfigError, match="positive"):
+        Budget.parse("0%")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"method": "magic"}, "Available methods: dense"),
+        ({"density": 0.0}, r"\(0, 1\]"),
+        ({"density": 1.5}, r"\(0, 1\]"),
+        ({"density": "half"}, "number"),
+        ({"method": "dense", "density": 0.5}, "density must be 1.0"),
+        ({"policy": "random"}, "lru, lfu, window"),
+        ({"window": 0}, "window"),
+        ({"io_threads": 0}, "io_threads"),
+        ({"io_chunk_bytes": 1000}, "multiple of 4096"),
+        ({"direct_io": "yes"}, "direct_io"),
+        ({"memory_budget": "a lot"}, "byte size"),
+        ({"colour": "blue"}, "Unknown FlashConfig option"),
+    ],
+)
+def test_bad_options_raise_config_error(options, message):
+    with pytest.raises(ConfigError, match=message):
+        FlashConfig(**options)
+
+
+def test_only_persisted_options_are_saved():
+    config = FlashConfig(policy="window", window=3, store="/somewhere", memory_budget="1GB", io_threads=2)
+    saved = config.to_dict()
+    assert saved == {
+        "quant_method": "flashlm",
+        "method": "dense",
+        "density": 1.0,
+        "policy": "window",
+        "window": 3,
+        "flashlm_version": flashlm.__version__,
+    }
+    restored = FlashConfig.from_dict(saved)
+    assert (restored.policy, restored.window) == ("window", 3)
+    assert restored.store is None
+
+
+def test_runtime_defaults_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("FLASHLM_STORE", "/stores/x.flash")
+    monkeypatch.setenv("FLASHLM_MEMORY_BUDGET", "3GB")
+    config = FlashConfig()
+    assert config.store == "/stores/x.flash"
+    assert config.budget.resolve(0) == 3 * 10**9
+    assert FlashConfig(memory_budget="10%").budget.fraction == pytest.approx(0.1)
