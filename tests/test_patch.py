@@ -280,3 +280,15 @@ def test_layers_called_out_of_order_stay_exact(make_tiny_checkpoint, tmp_path):
     with torch.no_grad():
         for layer in [1, 0, 0, 1, 1, 0]:
             torch.testing.assert_close(streaming[layer](x), reference.model.layers[layer].mlp(x))
+
+
+def test_sampling_matches_dense_under_the_same_seed(make_tiny_checkpoint, tmp_path):
+    path = make_tiny_checkpoint("qwen2", dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    patched = load_patched(path, tmp_path / "store", 0.5)
+    ids = prompt_ids(reference.config.vocab_size)
+    kwargs = {"max_new_tokens": 10, "do_sample": True, "top_k": 20, "temperature": 0.9, "pad_token_id": 0}
+    torch.manual_seed(7)
+    expected = reference.generate(ids, **kwargs)
+    torch.manual_seed(7)
+    assert torch.equal(patched.generate(ids, **kwargs), expected)
