@@ -272,7 +272,7 @@ def main() -> None:
     table = markdown(results, mlp_bytes)
     header = (
         f"SmolLM2-135M-Instruct bf16, MLP bytes {mlp_bytes / 1e6:.1f} MB, prompt {len(PROMPT)} chars, "
-        f"{args.new_tokens} greedy decode steps, torch threads {os.cpu_count()}\n\n"
+        f"{args.new_tokens} greedy decode steps, {os.cpu_count()} CPU cores\n\n"
     )
     (out_dir / "dense_streaming.md").write_text(header + table + "\n")
     (out_dir / "dense_streaming.json").write_text(json.dumps(results, indent=2))
