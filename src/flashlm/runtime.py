@@ -79,6 +79,7 @@ class FlashRuntime:
         self._workspaces: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self.down_workspace(torch.device("cpu"), store.dtype)
         self.caches: dict[int, NeuronCache] = {}
+        self._unit_ids = torch.arange(self.max_units)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="flashlm-prefetch")
         self._pending: Future[Fetch] | None = None
         self.stats = StatsRecorder()
@@ -142,7 +143,7 @@ class FlashRuntime:
         """Start reading the next layer's misses into the staging buffer `current` does not use."""
         layer = (current.layer + 1) % self.num_layers
         cache = self.caches[layer]
-        ids = torch.arange(cache.num_units)
+        ids = self._unit_ids[: cache.num_units]
         self._pending = self._submit(layer, ids[cache.slot_of[ids] < 0], 1 - current.buffer)
 
     def _submit(self, layer: int, ids: torch.Tensor, buffer: int) -> Future[Fetch]:
