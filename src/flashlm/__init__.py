@@ -4,9 +4,9 @@ __version__ = "0.1.0"
 
 from .config import FlashConfig
 from .integrations.transformers import register as _register
-from .patching import patch, reset_stats, stats, unpatch
+from .patching import patch, stats, unpatch
 from .store import Store, convert
 
 _register()
 
-__all__ = ["FlashConfig", "Store", "__version__", "convert", "patch", "reset_stats", "stats", "unpatch"]
+__all__ = ["FlashConfig", "Store", "__version__", "convert", "patch", "stats", "unpatch"]

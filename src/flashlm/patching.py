@@ -226,7 +226,3 @@ def stats(model: nn.Module, *, reset: bool = False) -> FlashStats:
         for module in modules:
             module.cache.reset_counters()
     return snapshot
-
-
-def reset_stats(model: nn.Module) -> None:
-    stats(model, reset=True)
