@@ -3,7 +3,9 @@ that a missing, damaged or mismatched store raises."""
 
 from __future__ import annotations
 
+import errno
 import filecmp
+import importlib
 import json
 import os
 from dataclasses import dataclass
@@ -32,13 +34,17 @@ from flashlm.errors import (
 )
 from flashlm.store import (
     ALIGNMENT,
+    KINDS,
     ModuleSource,
     RowFile,
     SafetensorsSource,
     Store,
+    add_kinds,
     convert,
     mlp_content_sha256,
 )
+
+convert_module = importlib.import_module("flashlm.store.convert")  # the package's `convert` is the function
 
 CONFIGS = {
     "llama": lambda: LlamaConfig(
@@ -110,6 +116,17 @@ def llama(tmp_path_factory) -> Checkpoint:
     return Checkpoint("llama", _build(CONFIGS["llama"](), directory), directory)
 
 
+@pytest.fixture(scope="module", params=sorted(GATED))
+def gated(request, tmp_path_factory) -> Checkpoint:
+    """A gated checkpoint: llama (separate gate and up) and phi3 (fused gate_up)."""
+    directory = tmp_path_factory.mktemp(f"gated-{request.param}")
+    return Checkpoint(request.param, _build(CONFIGS[request.param](), directory), directory)
+
+
+def all_kinds(model_type: str) -> tuple[str, ...]:
+    return KINDS if model_type in GATED else ("bundle",)
+
+
 def expected_rows(model: torch.nn.Module, layer: int, kind: str) -> torch.Tensor:
     """The matrix a store should hold, built row by row from the model's own linears."""
     spec = spec_for(model.config.model_type)
@@ -122,12 +139,19 @@ def expected_rows(model: torch.nn.Module, layer: int, kind: str) -> torch.Tensor
     else:
         up = getattr(owner, spec.up).weight.detach()
         gate = getattr(owner, spec.gate).weight.detach() if spec.gate else None
-    if kind == "bundle":
-        parts = (lambda j: [up[j], down[:, j]]) if gate is None else (lambda j: [gate[j], up[j], down[:, j]])
-        return torch.stack([torch.cat(parts(j)) for j in range(d_ff)])
     if kind == "dip_in":
         return torch.stack([torch.cat([up[:, i], gate[:, i]]) for i in range(down.shape[0])])
-    return torch.stack([down[:, j] for j in range(d_ff)])
+    row = {
+        "bundle": (lambda j: [up[j], down[:, j]])
+        if gate is None
+        else (lambda j: [gate[j], up[j], down[:, j]]),
+        "dip_down": lambda j: [down[:, j]],
+        "gate": lambda j: [gate[j]],
+        "up": lambda j: [up[j]],
+        "gate_down": lambda j: [gate[j], down[:, j]],
+        "up_down": lambda j: [up[j], down[:, j]],
+    }[kind]
+    return torch.stack([torch.cat(row(j)) for j in range(d_ff)])
 
 
 def read_rows(row_file: RowFile, ids: list[int]) -> torch.Tensor:
@@ -141,12 +165,16 @@ def read_rows(row_file: RowFile, ids: list[int]) -> torch.Tensor:
 
 
 def test_round_trip(checkpoint: Checkpoint, tmp_path: Path) -> None:
-    store = convert(checkpoint.path, tmp_path / "store", progress=False)
+    kinds = all_kinds(checkpoint.model_type)
+    store = convert(checkpoint.path, tmp_path / "store", kinds=kinds[::-1], progress=False)
     config = checkpoint.model.config
     gated = checkpoint.model_type in GATED
     assert store.model_type == checkpoint.model_type
     assert store.gated is gated
-    assert store.kinds == (("bundle", "dip_in", "dip_down") if gated else ("bundle",))
+    assert store.kinds == kinds
+    assert store.kinds == (
+        ("bundle", "dip_in", "dip_down", "gate", "up", "gate_down", "up_down") if gated else ("bundle",)
+    )
     assert store.num_layers == config.num_hidden_layers
     assert store.d_model == config.hidden_size
     assert store.dtype == torch.bfloat16
@@ -165,6 +193,14 @@ def test_round_trip(checkpoint: Checkpoint, tmp_path: Path) -> None:
             ids = torch.randperm(row_file.rows, generator=generator)[:7].tolist()
             assert torch.equal(read_rows(row_file, ids), expected[ids])
         assert store.nbytes(kind) == sum(f.nbytes for f in store.row_files(kind).values())
+
+
+def test_convert_writes_only_bundle_by_default(checkpoint: Checkpoint, tmp_path: Path) -> None:
+    store = convert(checkpoint.path, tmp_path / "store", progress=False)
+    assert store.kinds == ("bundle",)
+    assert list(store.manifest["kinds"]) == ["bundle"]
+    names = sorted(p.name for p in (store.path / "layers").iterdir())
+    assert names == [f"{layer:03d}.bundle.safetensors" for layer in range(store.num_layers)]
 
 
 def test_resident_biases(checkpoint: Checkpoint, tmp_path: Path) -> None:
@@ -224,8 +260,9 @@ def test_dtype_conversion(llama: Checkpoint, tmp_path: Path, dtype) -> None:
 def test_kind_subset(llama: Checkpoint, tmp_path: Path) -> None:
     store = convert(llama.path, tmp_path / "store", kinds=["dip_down", "dip_in"], progress=False)
     assert store.kinds == ("dip_in", "dip_down")
-    with pytest.raises(ValueError, match="dip_in, dip_down"):
+    with pytest.raises(ValueError, match="dip_in, dip_down") as info:
         store.row_file(0, "bundle")
+    assert "flashlm.store.add_kinds(store, ['bundle'])" in str(info.value)
     with pytest.raises(ValueError, match="out of range"):
         store.row_file(2, "dip_in")
 
@@ -269,11 +306,11 @@ def test_failed_overwrite_keeps_the_old_store(llama: Checkpoint, tmp_path: Path)
 
 def test_existing_destination(llama: Checkpoint, tmp_path: Path) -> None:
     dest = tmp_path / "store"
-    convert(llama.path, dest, kinds=["bundle"], progress=False)
+    convert(llama.path, dest, kinds=["dip_in"], progress=False)
     with pytest.raises(FileExistsError, match="overwrite=True"):
         convert(llama.path, dest, progress=False)
-    assert Store.open(dest).kinds == ("bundle",)
-    assert convert(llama.path, dest, overwrite=True, progress=False).kinds == ("bundle", "dip_in", "dip_down")
+    assert Store.open(dest).kinds == ("dip_in",)
+    assert convert(llama.path, dest, overwrite=True, progress=False).kinds == ("bundle",)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
     precious = tmp_path / "precious"
     precious.mkdir()
@@ -285,7 +322,123 @@ def test_existing_destination(llama: Checkpoint, tmp_path: Path) -> None:
 
 @pytest.fixture
 def store_path(llama: Checkpoint, tmp_path: Path) -> Path:
-    return convert(llama.path, tmp_path / "store", progress=False).path
+    return convert(llama.path, tmp_path / "store", kinds=KINDS, progress=False).path
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    """Every file under `path` (hidden ones included) by relative path, with its bytes."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "kinds", [("dip_in", "dip_down"), ("up_down", "gate"), ("gate_down", "up"), KINDS], ids=str
+)
+def test_add_kinds_matches_convert(gated: Checkpoint, tmp_path: Path, kinds: tuple[str, ...]) -> None:
+    base = convert(gated.path, tmp_path / "added", progress=False)
+    added = add_kinds(base, kinds[::-1], progress=False)
+    direct = convert(gated.path, tmp_path / "direct", kinds=("bundle", *kinds), progress=False)
+    assert added.kinds == direct.kinds == tuple(k for k in KINDS if k == "bundle" or k in kinds)
+    assert added.manifest["kinds"] == direct.manifest["kinds"]
+    assert added.manifest["files"] == direct.manifest["files"]
+    assert list(added.manifest["files"]) == list(direct.manifest["files"])
+    assert added.manifest["source"] == direct.manifest["source"] == base.manifest["source"]
+    assert tree(added.path) == tree(direct.path)
+    assert Store.open(added.path).kinds == added.kinds
+    for kind in added.kinds:
+        with safe_open(added.row_file(1, kind).path, framework="pt") as f:
+            assert torch.equal(f.get_tensor("rows"), expected_rows(gated.model, 1, kind))
+
+
+def test_add_kinds_one_at_a_time(gated: Checkpoint, tmp_path: Path) -> None:
+    store = convert(gated.path, tmp_path / "added", dtype=torch.float32, progress=False)
+    for kind in reversed(KINDS):
+        store = add_kinds(store, [kind], progress=False)
+    direct = convert(gated.path, tmp_path / "direct", dtype=torch.float32, kinds=KINDS, progress=False)
+    assert store.kinds == KINDS
+    assert store.manifest == direct.manifest
+    assert tree(store.path) == tree(direct.path)
+
+
+def test_add_kinds_is_idempotent(llama: Checkpoint, tmp_path: Path) -> None:
+    store = add_kinds(convert(llama.path, tmp_path / "store", progress=False), ["dip_in"], progress=False)
+    before = tree(store.path)
+    assert add_kinds(store, ["dip_in"], progress=False) is store
+    assert add_kinds(store, "bundle", progress=False) is store
+    assert add_kinds(store, [], progress=False) is store
+    # A stale `Store` (another process added the kind meanwhile) also finds it present.
+    stale = Store.open(store.path)
+    stale.kinds = ("bundle",)
+    assert add_kinds(stale, ["dip_in"], progress=False).kinds == ("bundle", "dip_in")
+    assert tree(store.path) == before
+
+
+def test_add_kinds_progress_bar(llama: Checkpoint, tmp_path: Path, capsys) -> None:
+    store = convert(llama.path, tmp_path / "store", progress=False)
+    add_kinds(store, ["dip_down", "dip_in"])
+    assert "Adding dip_in, dip_down to store" in capsys.readouterr().err
+
+
+def test_add_kinds_needs_a_gated_mlp(tmp_path: Path) -> None:
+    model = _build(CONFIGS["opt"](), tmp_path / "opt")
+    store = convert(model, tmp_path / "store", progress=False)
+    before = tree(store.path)
+    for kind in ("dip_in", "up_down", "gate"):
+        with pytest.raises(ValueError, match=rf"Cannot write unit kinds \['{kind}'\].*valid kinds: bundle\."):
+            add_kinds(store, ["bundle", kind], progress=False)
+    with pytest.raises(ValueError, match="'nonsense'"):
+        add_kinds(store, ["nonsense"], progress=False)
+    assert tree(store.path) == before
+
+
+def test_add_kinds_needs_the_bundle(llama: Checkpoint, tmp_path: Path) -> None:
+    store = convert(llama.path, tmp_path / "store", kinds=["dip_in", "dip_down"], progress=False)
+    assert add_kinds(store, ["dip_in"], progress=False) is store
+    with pytest.raises(StoreMismatchError, match="flashlm convert --kinds") as info:
+        add_kinds(store, ["gate"], progress=False)
+    assert "no 'bundle' units" in str(info.value)
+    assert "kinds=[...]" in str(info.value)
+
+
+@pytest.mark.parametrize("fails", ["write_aligned_safetensors", "_fsync_dir"])
+def test_failed_add_kinds_leaves_the_store_unchanged(
+    llama: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: str
+) -> None:
+    """A failure writing the second file, or once every file is renamed into place (before the manifest
+    is replaced), leaves the store as it was: same files, same manifest, no strays."""
+    store = convert(llama.path, tmp_path / "store", progress=False)
+    before = tree(store.path)
+    original = getattr(convert_module, fails)
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == (2 if fails == "write_aligned_safetensors" else 1):
+            raise RuntimeError("disk on fire")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(convert_module, fails, flaky)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        add_kinds(store, ["dip_in", "dip_down"], progress=False)
+    assert tree(store.path) == before
+    assert Store.open(store.path).kinds == ("bundle",)
+    monkeypatch.undo()
+    assert add_kinds(store, ["dip_in", "dip_down"], progress=False).kinds == ("bundle", "dip_in", "dip_down")
+
+
+def test_add_kinds_os_error_says_the_store_is_unchanged(
+    llama: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = convert(llama.path, tmp_path / "store", progress=False)
+    before = tree(store.path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(convert_module, "write_aligned_safetensors", full)
+    with pytest.raises(OSError, match=r"Cannot add unit kinds gate, up to the store .* is unchanged") as info:
+        add_kinds(store, ["up", "gate"], progress=False)
+    assert info.value.errno == errno.ENOSPC
+    assert tree(store.path) == before
 
 
 def test_missing_store(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """flashlm.store: the SSD weight store — its format, conversion into it, and the tensor sources read."""
 
-from .convert import convert
+from .convert import add_kinds, convert
 from .format import FORMAT_VERSION, KINDS, Store, mlp_content_sha256
 from .reader import StoreReader
 from .rowfile import ALIGNMENT, RowFile
@@ -16,6 +16,7 @@ __all__ = [
     "Store",
     "StoreReader",
     "TensorSource",
+    "add_kinds",
     "convert",
     "mlp_content_sha256",
 ]

@@ -1,8 +1,12 @@
-"""`convert`: write a store from a checkpoint or a model, in one streaming pass over its layers.
+"""`convert`: write a store from a checkpoint or a model, in one streaming pass over its layers;
+`add_kinds`: add unit kinds to an existing store, derived from its own `bundle` rows.
 
-Each layer's MLP tensors are loaded, rearranged into the row matrices of every unit kind, written,
-hashed and dropped before the next layer is read, so memory holds one layer at a time. Everything
-goes to a temporary sibling directory that is renamed to the destination only when complete.
+Each layer's MLP tensors are loaded, rearranged into the row matrices of the requested unit kinds
+(by default only `bundle`), written, hashed and dropped before the next layer is read, so memory
+holds one layer at a time. Everything goes to a temporary sibling directory that is renamed to the
+destination only when complete. The other kinds (the sparse methods' layouts) are added on first use
+by `add_kinds`, which rebuilds each layer's weights from its bundle matrix and commits the new files
+by replacing `manifest.json`, so a store never has to hold every layout of every model.
 """
 
 from __future__ import annotations
@@ -12,15 +16,17 @@ import json
 import os
 import shutil
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
 from .. import __version__
 from ..arch import MLPSpec, _layer_index
-from ..errors import UnsupportedArchitectureError
+from ..errors import StoreCorruptError, StoreMismatchError, UnsupportedArchitectureError
 from .format import (
     FORMAT,
     FORMAT_VERSION,
@@ -57,15 +63,16 @@ def convert(
         dest: the store directory to create. Nothing is ever left half-written there: on any error
             the temporary directory is removed and an existing store is kept.
         dtype: dtype of the stored weights (`torch.bfloat16` or `"bfloat16"`); None keeps the source's.
-        kinds: unit kinds to write; None writes every kind the architecture supports
-            (`bundle`, plus `dip_in` and `dip_down` for gated MLPs).
+        kinds: unit kinds to write (see `KINDS`); None writes only `bundle`, the layout of dense
+            streaming and the one every other kind can be derived from: `add_kinds` (which loading
+            a model with a sparse method calls) adds the others when they are first needed.
         progress: show a progress bar over layers.
         overwrite: replace an existing store at `dest` (otherwise `FileExistsError`).
     """
     source = as_source(source)
     spec, owners = mlp_owners(source)
     _check_layer_indices(owners)
-    kinds = _resolve_kinds(kinds, spec)
+    kinds = _resolve_kinds(kinds, spec.family, spec.gated)
     if isinstance(dtype, str):
         dtype = dtype_from_name(dtype)
     dest = Path(dest).expanduser()
@@ -88,6 +95,154 @@ def convert(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Store.open(dest)
+
+
+def add_kinds(store: Store, kinds: Iterable[str], *, progress: bool = True) -> Store:
+    """Make `store` hold every unit kind in `kinds`, deriving the missing ones from its `bundle` rows.
+
+    Returns `store` itself when it already holds them all, else the store reopened (and revalidated).
+    Each layer's bundle matrix is read back, split into the MLP's weights and laid out as `convert`
+    would (the files are byte-identical to those `convert(..., kinds=...)` writes). New row files are
+    written under temporary names and renamed into place; the kinds become visible only when the
+    updated manifest replaces `manifest.json`, so a failure or a crash leaves the store as it was.
+    Concurrent callers on one store are serialized by an advisory lock on its directory (POSIX).
+
+    Raises:
+        ValueError: a kind the store's MLP cannot have (the sparse kinds need a gated MLP).
+        StoreMismatchError: the store holds no `bundle` rows to derive from.
+        StoreCorruptError: the bundle matrices do not have the shape the manifest's MLP gives.
+        OSError: the store's directory is not writable.
+    """
+    named = {kinds} if isinstance(kinds, str) else set(kinds)
+    requested = _resolve_kinds(named, store.family, store.gated) if named else ()
+    if all(kind in store.kinds for kind in requested):
+        return store
+    path = store.path
+    with _directory_lock(path):
+        store = Store.open(path)  # another process may have added kinds while this one waited
+        missing = tuple(kind for kind in requested if kind not in store.kinds)
+        if not missing:
+            return store
+        if "bundle" not in store.kinds:
+            wanted = ",".join(kind for kind in KINDS if kind in store.kinds or kind in missing)
+            raise StoreMismatchError(
+                f"The store {path} holds no 'bundle' units (it holds {', '.join(store.kinds)}), so flashlm "
+                f"cannot derive {', '.join(missing)} from it. Convert it again with "
+                f"`flashlm convert --kinds {wanted} SRC DST` (or `flashlm.store.convert(src, dst, "
+                f"kinds=[...])`) including every kind you need."
+            )
+        try:
+            _add_kinds(store, missing, progress)
+        except OSError as exc:
+            if isinstance(exc, StoreCorruptError) or exc.errno is None:
+                raise
+            raise type(exc)(
+                exc.errno,
+                f"Cannot add unit kinds {', '.join(missing)} to the store {path}: {exc.strerror}. The store "
+                "is unchanged; make room or make it writable, or convert a store that holds every kind you "
+                "need (`flashlm.store.convert(src, dst, kinds=[...])`).",
+            ) from exc
+        return Store.open(path)
+
+
+def _add_kinds(store: Store, missing: tuple[str, ...], progress: bool) -> None:
+    """Write `missing` kinds' files next to `store`'s, then commit them by replacing the manifest."""
+    path = store.path
+    layers_dir = path / "layers"
+    suffix = f".tmp-{os.getpid()}"
+    pending: list[tuple[Path, Path]] = []  # (temporary, final) row files
+    placed: list[Path] = []
+    files: dict[str, dict[str, int]] = {}
+    layouts: dict[str, dict] = {}
+    manifest_tmp = path / f".{MANIFEST}{suffix}"
+    committed = False
+    try:
+        for layer in tqdm(
+            range(store.num_layers),
+            desc=f"Adding {', '.join(missing)} to store",
+            unit="layer",
+            disable=not progress,
+        ):
+            tensors = _bundle_tensors(store, layer)
+            for kind, rows in _unit_matrices(tensors, missing):
+                relative = row_file_name(layer, kind)
+                final = path / relative
+                tmp = layers_dir / f".{final.name}{suffix}"
+                pending.append((tmp, final))
+                files[relative] = write_aligned_safetensors(tmp, {ROWS: rows})
+                layouts[kind] = _layout(kind, store.gated, rows)
+                del rows
+            del tensors
+        for tmp, final in pending:
+            os.replace(tmp, final)
+            placed.append(final)
+        _fsync_dir(layers_dir)
+        manifest = dict(store.manifest)
+        kinds = [kind for kind in KINDS if kind in store.kinds or kind in missing]
+        manifest["kinds"] = {kind: store.manifest["kinds"].get(kind) or layouts[kind] for kind in kinds}
+        manifest["files"] = _ordered_files(store.manifest["files"] | files, kinds, store.num_layers)
+        with open(manifest_tmp, "w") as f:
+            json.dump(manifest, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(manifest_tmp, path / MANIFEST)
+        committed = True
+        _fsync_dir(path)
+    except BaseException:
+        if not committed:
+            for stray in [manifest_tmp, *(tmp for tmp, _ in pending), *placed]:
+                stray.unlink(missing_ok=True)
+        raise
+
+
+def _bundle_tensors(store: Store, layer: int) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s MLP weights (`gate`, `up`, `down` by role, views) split out of its bundle matrix."""
+    row_file = store.row_file(layer, "bundle")
+    with safe_open(row_file.path, framework="pt") as f:
+        bundle = f.get_tensor(ROWS)
+    d_model, d_ff = store.d_model, store.d_ff
+    parts = 3 if store.gated else 2
+    if tuple(bundle.shape) != (d_ff, parts * d_model):
+        raise StoreCorruptError(
+            f"{row_file.path} holds a {list(bundle.shape)} matrix; a bundle of the store's "
+            f"{'gated' if store.gated else 'plain'} MLP (d_model {d_model}, d_ff {d_ff}) is "
+            f"[{d_ff}, {parts * d_model}]. Delete the store and convert again."
+        )
+    *gate, up, down_t = bundle.split(d_model, dim=1)
+    tensors = {"up": up, "down": down_t.T}
+    if gate:
+        tensors["gate"] = gate[0]
+    return tensors
+
+
+def _ordered_files(files: dict[str, dict], kinds: list[str], num_layers: int) -> dict[str, dict]:
+    """`files` in the order `convert` lists them: layer by layer, kinds in canonical order, then the rest."""
+    ordered = {
+        relative: files[relative]
+        for layer in range(num_layers)
+        for kind in kinds
+        if (relative := row_file_name(layer, kind)) in files
+    }
+    return ordered | {relative: entry for relative, entry in files.items() if relative not in ordered}
+
+
+@contextmanager
+def _directory_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock (`flock`) on the directory `path`; a no-op where locks are unavailable."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        fcntl = None
+    fd = None
+    if fcntl is not None:
+        with suppress(OSError):  # a file system without flock: go on unlocked
+            fd = os.open(path, os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
 
 
 def _write_store(
@@ -113,15 +268,10 @@ def _write_store(
         dtype = tensors["down"].dtype
         dims = _check_shapes(spec, owner, tensors, dims)
         update_content_hash(digest, tensors)
-        for kind, rows in _unit_matrices(spec, tensors, kinds):
+        for kind, rows in _unit_matrices(tensors, kinds):
             relative = row_file_name(layer, kind)
             files[relative] = write_aligned_safetensors(tmp / relative, {ROWS: rows})
-            layouts[kind] = {
-                "rows": rows.shape[0],
-                "width": rows.shape[1],
-                "row_bytes": rows.shape[1] * rows.element_size(),
-                "layout": KIND_LAYOUTS[(kind, spec.gated)],
-            }
+            layouts[kind] = _layout(kind, spec.gated, rows)
         biases.update(
             (f"layers.{layer}.{role}", tensors[role]) for role in ("up_bias", "down_bias") if role in tensors
         )
@@ -155,9 +305,14 @@ def _write_store(
 
 
 def _unit_matrices(
-    spec: MLPSpec, tensors: dict[str, torch.Tensor], kinds: tuple[str, ...]
+    tensors: dict[str, torch.Tensor], kinds: tuple[str, ...]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """`(kind, [rows, width] matrix)` of one layer, built one kind at a time to bound memory."""
+    """`(kind, [rows, width] contiguous matrix)` of one layer, built one kind at a time to bound memory.
+
+    `tensors` holds `down` [d_model, d_ff] and `up` [d_ff, d_model], plus `gate` [d_ff, d_model] or
+    the fused `gate_up` [2 * d_ff, d_model] for a gated MLP (as `load_mlp` returns them); the one home
+    of the layouts `KIND_LAYOUTS` describes, for `convert` and `add_kinds` alike.
+    """
     down = tensors["down"]
     if "gate_up" in tensors:
         gate, up = tensors["gate_up"].chunk(2)
@@ -169,8 +324,28 @@ def _unit_matrices(
             yield kind, torch.cat(parts, dim=1)
         elif kind == "dip_in":
             yield kind, torch.cat([up.T, gate.T], dim=1)
-        else:
+        elif kind == "dip_down":
             yield kind, down.T.contiguous()
+        elif kind == "gate":
+            yield kind, gate.contiguous()
+        elif kind == "up":
+            yield kind, up.contiguous()
+        elif kind == "gate_down":
+            yield kind, torch.cat([gate, down.T], dim=1)
+        elif kind == "up_down":
+            yield kind, torch.cat([up, down.T], dim=1)
+        else:
+            raise ValueError(f"Unknown unit kind {kind!r}; known kinds: {', '.join(KINDS)}.")
+
+
+def _layout(kind: str, gated: bool, rows: torch.Tensor) -> dict:
+    """The manifest's description of one kind, from one layer's matrix of it."""
+    return {
+        "rows": rows.shape[0],
+        "width": rows.shape[1],
+        "row_bytes": rows.shape[1] * rows.element_size(),
+        "layout": KIND_LAYOUTS[(kind, gated)],
+    }
 
 
 def _check_shapes(
@@ -213,17 +388,17 @@ def _check_layer_indices(owners: list[str]) -> None:
         )
 
 
-def _resolve_kinds(kinds: Iterable[str] | None, spec: MLPSpec) -> tuple[str, ...]:
-    """The kinds to write, in canonical order; ValueError for a kind the architecture cannot have."""
-    valid = kinds_for(spec.gated)
+def _resolve_kinds(kinds: Iterable[str] | None, family: str, gated: bool) -> tuple[str, ...]:
+    """The kinds to write, in canonical order (None: `bundle`); ValueError for a kind the MLP cannot have."""
+    valid = kinds_for(gated)
     if kinds is None:
-        return valid
+        return ("bundle",)
     requested = {kinds} if isinstance(kinds, str) else set(kinds)
     invalid = sorted(requested - set(valid))
     if invalid or not requested:
-        mlp = "gated" if spec.gated else "plain"
+        mlp = "gated" if gated else "plain"
         raise ValueError(
-            f"Cannot write unit kinds {invalid or '(none)'} for a {spec.family}-family ({mlp}) MLP; "
+            f"Cannot write unit kinds {invalid or '(none)'} for a {family}-family ({mlp}) MLP; "
             f"valid kinds: {', '.join(valid)}."
         )
     return tuple(kind for kind in KINDS if kind in requested)

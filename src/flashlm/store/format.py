@@ -33,18 +33,30 @@ MANIFEST = "manifest.json"
 RESIDENT = "resident.safetensors"
 ROWS = "rows"
 
-KINDS = ("bundle", "dip_in", "dip_down")
-"""Unit kinds, in the order a store lists them. `bundle` suits every MLP; the DIP kinds need a gated one."""
+KINDS = ("bundle", "dip_in", "dip_down", "gate", "up", "gate_down", "up_down")
+"""Unit kinds, in the order a store lists them. `bundle` suits every MLP; the others need a gated one.
 
-GATED_ONLY_KINDS = ("dip_in", "dip_down")
+`bundle` serves dense streaming and is what `convert` writes by default; the others are the layouts
+of the sparse methods (DIP: `dip_in`, `dip_down`; up pruning: `up`, `gate_down`; gate pruning and
+CATS: `gate`, `up_down`), derived from the bundle on first use by `add_kinds`.
+"""
+
+GATED_ONLY_KINDS = ("dip_in", "dip_down", "gate", "up", "gate_down", "up_down")
 
 KIND_LAYOUTS = {
     ("bundle", True): "row j = gate[j, :] | up[j, :] | down[:, j]",
     ("bundle", False): "row j = up[j, :] | down[:, j]",
     ("dip_in", True): "row i = up[:, i] | gate[:, i]",
     ("dip_down", True): "row j = down[:, j]",
+    ("gate", True): "row j = gate[j, :]",
+    ("up", True): "row j = up[j, :]",
+    ("gate_down", True): "row j = gate[j, :] | down[:, j]",
+    ("up_down", True): "row j = up[j, :] | down[:, j]",
 }
-"""What one row of each kind holds, for gated (True) and plain (False) MLPs; recorded in the manifest."""
+"""What one row of each kind holds, for gated (True) and plain (False) MLPs; recorded in the manifest.
+
+`gate`, `up`: [d_ff, d_model]; `down`: [d_model, d_ff]. `dip_in` has d_model rows, every other kind d_ff.
+"""
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -241,7 +253,8 @@ class Store:
         if kind not in self.kinds:
             raise ValueError(
                 f"The store {self.path} holds no {kind!r} units; it holds {', '.join(self.kinds)}. "
-                f"Convert again with kinds including {kind!r}."
+                f"Add them with `flashlm.store.add_kinds(store, [{kind!r}])`, or convert again with "
+                f"kinds including {kind!r}."
             )
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"Layer {layer} is out of range: the store has layers 0..{self.num_layers - 1}.")
