@@ -23,127 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-PROMPT = (
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
-    "combined movable metal type, oil-based ink and a wooden screw press. Explain why this mattered."
-)
-
-
-def proc_read_bytes() -> int:
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
-
-
-def drop_page_cache() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("1\n")
-
-
-def mlp_disk_device_map(model_path: Path) -> dict[str, str]:
-    """Every MLP on 'disk', everything else on 'cpu', keyed by the modules that hold parameters."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from flashlm.arch import find_mlps, model_type_of, spec_for
-
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    mlp_names = [name for _, name, _ in find_mlps(model, spec_for(model_type_of(config)))]
-    device_map = {name: "disk" for name in mlp_names}
-    for name, _ in model.named_parameters(remove_duplicate=False):
-        module = name.rsplit(".", 1)[0]
-        if not any(module == m or module.startswith(m + ".") for m in mlp_names):
-            device_map[module] = "cpu"
-    return device_map
-
-
-def load(config_name: str, model_path: Path, store: Path, budget: str | None, offload_dir: Path):
-    from transformers import AutoModelForCausalLM
-
-    import flashlm
-
-    if config_name == "ram":
-        return AutoModelForCausalLM.from_pretrained(model_path)
-    if config_name.startswith("accelerate"):
-        return AutoModelForCausalLM.from_pretrained(
-            model_path, device_map=mlp_disk_device_map(model_path), offload_folder=str(offload_dir)
-        )
-    return AutoModelForCausalLM.from_pretrained(
-        model_path, quantization_config=flashlm.FlashConfig(store=str(store), memory_budget=budget)
-    )
-
-
-def run_child(args: argparse.Namespace) -> None:
-    """Load one configuration, decode greedily, print one JSON line of measurements."""
-    import torch
-    from transformers import AutoTokenizer
-
-    import flashlm
-
-    torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    started = time.perf_counter()
-    model = load(args.child, Path(args.model), Path(args.store), args.budget, Path(args.offload_dir))
-    load_s = time.perf_counter() - started
-    rss_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    cold = args.child == "accelerate-cold"
-    patched = bool(flashlm.patching.streaming_mlps(model))
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-
-    tokens, step_s, step_bytes = [], [], []
-    with torch.inference_mode():
-        if cold:
-            drop_page_cache()
-        started = time.perf_counter()
-        out = model(input_ids=ids, use_cache=True)
-        prefill_s = time.perf_counter() - started
-        if patched:
-            flashlm.stats(model, reset=True)
-        for _ in range(args.new_tokens):
-            next_token = out.logits[:, -1].argmax(-1, keepdim=True)
-            tokens.append(int(next_token))
-            if cold:
-                drop_page_cache()
-            read_before = proc_read_bytes()
-            started = time.perf_counter()
-            out = model(input_ids=next_token, past_key_values=out.past_key_values, use_cache=True)
-            step_s.append(time.perf_counter() - started)
-            step_bytes.append(proc_read_bytes() - read_before)
-    result = {
-        "config": args.child,
-        "budget": args.budget,
-        "load_s": load_s,
-        "prefill_s": prefill_s,
-        "decode_tok_s": len(step_s) / sum(step_s),
-        "proc_read_bytes_per_token": sum(step_bytes) / len(step_bytes),
-        "rss_after_load": rss_after_load,
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "tokens": tokens,
-    }
-    if patched:
-        snapshot = flashlm.stats(model)
-        totals = snapshot.totals()
-        result.update(
-            reader_bytes_per_token=totals["bytes_read_per_step"],
-            reads_per_token=totals["reads_per_step"],
-            hit_rate=totals["hit_rate"],
-            io_ms=1e3 * totals["io_s_per_step"],
-            cache_ms=1e3 * totals["cache_s_per_step"],
-            compute_ms=1e3 * totals["compute_s_per_step"],
-            io_mode=snapshot.io_mode,
-            resident_bytes=snapshot.resident_bytes,
-            budget_bytes=snapshot.budget_bytes,
-        )
-    print("RESULT " + json.dumps(result), flush=True)
+from flashlm.eval.decode import PROMPT, run_in_subprocess
 
 
 def minimum_budget(store_path: Path) -> int:
@@ -173,11 +57,7 @@ def markdown(results: list[dict], mlp_bytes: int) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        regime = {
-            "ram": "in RAM",
-            "accelerate-cold": "cold (page cache dropped every step)",
-            "accelerate-warm": "warm (page cache kept; reference)",
-        }.get(r["config"], r.get("io_mode", ""))
+        regime = r["regime"]
         budget = "—"
         if "budget_bytes" in r:
             budget = f"{r['budget_bytes'] / 1e6:.1f} MB ({r['budget_bytes'] / mlp_bytes:.0%})"
@@ -210,15 +90,8 @@ def main() -> None:
     )
     parser.add_argument("--skip", default="", help="comma-separated configurations to skip")
     parser.add_argument("--out", default="bench-results")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--budget", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--store", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--offload-dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if args.child:
-        run_child(args)
-        return
 
     import flashlm
     from flashlm.models import default_model_path
@@ -229,46 +102,32 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="flashlm-bench-", dir=out_dir))
     store = work / "store.flash"
     flashlm.convert(model, store, progress=True)
-    mlp_bytes = flashlm.Store.open(store).nbytes("bundle")
     opened = flashlm.Store.open(store)
+    mlp_bytes = opened.nbytes("bundle")
     minimum = minimum_budget(store)
     named = {
         "min": minimum,
         # Working memory plus a slot (row and 8-byte index) for every unit: nothing is read after warm-up.
         "all": minimum + mlp_bytes + 8 * opened.d_ff * opened.num_layers,
     }
-    configs = [("ram", None), ("accelerate-cold", None), ("accelerate-warm", None)]
-    configs += [
-        (f"flashlm-dense@{b}", str(named[b]) if b in named else b) for b in args.budgets.split(",") if b
+    specs = [{"name": kind, "kind": kind} for kind in ("ram", "accelerate-cold", "accelerate-warm")]
+    specs += [
+        {
+            "name": f"flashlm-dense@{b}",
+            "kind": "flashlm",
+            "options": {"store": str(store), "memory_budget": named.get(b, b)},
+        }
+        for b in args.budgets.split(",")
+        if b
     ]
     skip = set(filter(None, args.skip.split(",")))
     results = []
-    for name, budget in configs:
-        if name in skip:
+    for spec in specs:
+        if spec["name"] in skip:
             continue
-        print(f"== {name}", file=sys.stderr, flush=True)
-        cmd = [
-            sys.executable,
-            __file__,
-            "--child",
-            name,
-            "--model",
-            str(model),
-            "--store",
-            str(store),
-            "--offload-dir",
-            str(work / f"offload-{name}"),
-            "--new-tokens",
-            str(args.new_tokens),
-        ]
-        if budget:
-            cmd += ["--budget", budget]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if proc.returncode or line is None:
-            print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
-            raise SystemExit(f"configuration {name} failed (exit {proc.returncode})")
-        results.append(json.loads(line.removeprefix("RESULT ")))
+        print(f"== {spec['name']}", file=sys.stderr, flush=True)
+        offload = work / f"offload-{spec['name']}"
+        results.append(run_in_subprocess(spec, model, new_tokens=args.new_tokens, offload_dir=offload))
     table = markdown(results, mlp_bytes)
     header = (
         f"SmolLM2-135M-Instruct bf16, MLP bytes {mlp_bytes / 1e6:.1f} MB, prompt {len(PROMPT)} chars, "

@@ -47,7 +47,7 @@ def test_budget_forms():
         ({"density": 1.5}, r"\(0, 1\]"),
         ({"density": "half"}, "number"),
         ({"method": "dense", "density": 0.5}, "density must be 1.0"),
-        ({"policy": "random"}, "lru, lfu, window"),
+        ({"policy": "random"}, "lru, lfu, window, none"),
         ({"window": 0}, "window"),
         ({"io_threads": 0}, "io_threads"),
         ({"io_chunk_bytes": 1000}, "multiple of 4096"),
@@ -62,19 +62,39 @@ def test_bad_options_raise_config_error(options, message):
 
 
 def test_only_persisted_options_are_saved():
-    config = FlashConfig(policy="window", window=3, store="/somewhere", memory_budget="1GB", io_threads=2)
+    config = FlashConfig(
+        method="dip",
+        density=0.5,
+        cache_aware=0.2,
+        policy="window",
+        window=3,
+        store="/somewhere",
+        memory_budget="1GB",
+        io_threads=2,
+        sequential_prefill=True,
+        record_trace=True,
+    )
     saved = config.to_dict()
     assert saved == {
         "quant_method": "flashlm",
-        "method": "dense",
-        "density": 1.0,
+        "method": "dip",
+        "density": 0.5,
+        "input_density": None,
+        "cache_aware": 0.2,
+        "threshold": "token",
         "policy": "window",
         "window": 3,
         "flashlm_version": flashlm.__version__,
     }
     restored = FlashConfig.from_dict(saved)
-    assert (restored.policy, restored.window) == ("window", 3)
+    assert (restored.method, restored.cache_aware, restored.policy, restored.window) == (
+        "dip",
+        0.2,
+        "window",
+        3,
+    )
     assert restored.store is None
+    assert (restored.sequential_prefill, restored.record_trace) == (False, False)
 
 
 def test_runtime_defaults_come_from_the_environment(monkeypatch):

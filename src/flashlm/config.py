@@ -20,10 +20,29 @@ from ._utils import parse_bytes
 from .errors import ConfigError
 
 QUANT_METHOD = "flashlm"
-METHODS = ("dense",)
-POLICIES = ("lru", "lfu", "window")
-PERSISTED_OPTIONS = ("method", "density", "policy", "window")
-RUNTIME_OPTIONS = ("store", "memory_budget", "direct_io", "io_threads", "io_chunk_bytes")
+METHODS = ("dense", "dip", "glu", "gate", "up", "cats")
+GATED_METHODS = ("dip", "glu", "gate", "up", "cats")
+"""Methods that prune a gated (SwiGLU) MLP's projections separately: they need a gated MLP."""
+THRESHOLDS = ("token", "layer", "global")
+POLICIES = ("lru", "lfu", "window", "none")
+PERSISTED_OPTIONS = (
+    "method",
+    "density",
+    "input_density",
+    "cache_aware",
+    "threshold",
+    "policy",
+    "window",
+)
+RUNTIME_OPTIONS = (
+    "store",
+    "memory_budget",
+    "direct_io",
+    "io_threads",
+    "io_chunk_bytes",
+    "sequential_prefill",
+    "record_trace",
+)
 DEFAULT_MEMORY_BUDGET = "50%"
 _PERCENT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 
@@ -59,10 +78,27 @@ class FlashConfig(QuantizationConfigMixin):
 
     Args:
         method: what each MLP does. `"dense"` streams every unit every token (exact; the baseline
-            every sparse method is measured against).
+            every sparse method is measured against). The DIP paper's methods, for gated MLPs:
+            `"dip"` (Dynamic Input Pruning: top-k of |x| picks up/gate input columns, top-k of the
+            pruned GLU picks down columns), and its baselines `"glu"` (oracle: full GLU, top-k down
+            columns), `"gate"` / `"up"` (full gate or up projection, top-k of it picks the rest)
+            and `"cats"` (gate pruning with a per-layer threshold calibrated on text).
         density: target fraction of MLP weights used per token, in (0, 1]. `"dense"` requires 1.0.
-        policy: cache eviction policy: `"lru"`, `"lfu"` or `"window"` (units used in the last
-            `window` tokens stay resident).
+            For `"glu"` it is the density of the GLU activation (as in the paper's tables): the
+            oracle always reads all of up and gate, so its MLP density is 2/3 + density/3 (reported
+            by `flashlm.stats`). `"gate"`, `"up"` and `"cats"` read one full projection, so they
+            need density > 1/3.
+        input_density: `"dip"` only: fraction of input columns kept for up/gate. The down
+            density follows, `3 * density - 2 * input_density`. None takes the Pareto-optimal split
+            calibrated for the model (`flashlm.calibration`), or an equal split without one.
+        cache_aware: `"dip"` only: γ of cache-aware masking (DIP-CA, the paper's eq. 10): scores
+            `|x| (c + γ (1 - c)) / max|x|` with c the cache residency, for both selections. 1.0
+            (default) is plain DIP; the paper uses 0.2.
+        threshold: `"dip"` only: how input columns are picked: `"token"` (top-k per token, the
+            paper's DIP), `"layer"` or `"global"` (a magnitude threshold per layer or for all
+            layers, calibrated to keep the same fraction on average; the paper's Fig. 4).
+        policy: cache eviction policy: `"lfu"` (default), `"lru"`, `"window"` (units used in the
+            last `window` tokens stay resident) or `"none"` (no cache: every unit is read every time).
         window: the sliding window's length in tokens, for `policy="window"`.
         store: path of the SSD weight store. Default: a directory in flashlm's cache named after
             the checkpoint; a missing store is converted on first load.
@@ -73,19 +109,29 @@ class FlashConfig(QuantizationConfigMixin):
             requires it; `False` never uses it.
         io_threads: reader threads. `None` takes the measured default.
         io_chunk_bytes: longest single read (a multiple of 4096). `None` takes the measured default.
+        sequential_prefill: compute a multi-token forward exactly as that many one-token decode
+            steps would (cache-aware masks see the cache evolve token by token) instead of masking
+            every token against the cache as it was when the forward began. Slower; the perplexity
+            harness uses it so that DIP-CA is scored as it decodes.
+        record_trace: record which units each layer used each step (`flashlm.trace(model)`).
     """
 
     def __init__(
         self,
         method: str = "dense",
         density: float = 1.0,
-        policy: str = "lru",
+        input_density: float | None = None,
+        cache_aware: float = 1.0,
+        threshold: str = "token",
+        policy: str = "lfu",
         window: int = 5,
         store: str | os.PathLike | None = None,
         memory_budget: int | str | None = None,
         direct_io: bool | None = None,
         io_threads: int | None = None,
         io_chunk_bytes: int | None = None,
+        sequential_prefill: bool = False,
+        record_trace: bool = False,
         **kwargs: Any,
     ) -> None:
         kwargs.pop("flashlm_version", None)
@@ -98,6 +144,9 @@ class FlashConfig(QuantizationConfigMixin):
         self.quant_method = QUANT_METHOD
         self.method = method
         self.density = density
+        self.input_density = input_density
+        self.cache_aware = cache_aware
+        self.threshold = threshold
         self.policy = policy
         self.window = window
         self.store = store if store is not None else os.environ.get("FLASHLM_STORE")
@@ -109,6 +158,8 @@ class FlashConfig(QuantizationConfigMixin):
         self.direct_io = direct_io
         self.io_threads = io_threads
         self.io_chunk_bytes = io_chunk_bytes
+        self.sequential_prefill = sequential_prefill
+        self.record_trace = record_trace
         self.post_init()
 
     def post_init(self) -> None:
@@ -121,6 +172,13 @@ class FlashConfig(QuantizationConfigMixin):
             raise ConfigError(f"density must be in (0, 1], got {self.density}.")
         if self.method == "dense" and self.density != 1:
             raise ConfigError(f"method='dense' streams every unit: density must be 1.0, got {self.density}.")
+        if self.method in ("gate", "up", "cats") and not self.density > 1 / 3:
+            projection = "up" if self.method == "up" else "gate"
+            raise ConfigError(
+                f"method={self.method!r} reads the whole {projection} projection (a third of the MLP) "
+                f"every token: density must be above 1/3, got {self.density}."
+            )
+        self._check_dip_options()
         if self.policy not in POLICIES:
             raise ConfigError(f"Unknown policy {self.policy!r}. Available policies: {', '.join(POLICIES)}.")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
@@ -135,7 +193,38 @@ class FlashConfig(QuantizationConfigMixin):
             )
         if self.direct_io not in (None, True, False):
             raise ConfigError(f"direct_io must be True, False or None, got {self.direct_io!r}.")
+        for name in ("sequential_prefill", "record_trace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         self.budget = Budget.parse(self.memory_budget)
+
+    def _check_dip_options(self) -> None:
+        gamma = self.cache_aware
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 <= gamma <= 1:
+            raise ConfigError(f"cache_aware (γ) must be a number in [0, 1], got {gamma!r}.")
+        if self.threshold not in THRESHOLDS:
+            raise ConfigError(f"Unknown threshold {self.threshold!r}. Available: {', '.join(THRESHOLDS)}.")
+        for name, value, default in (
+            ("input_density", self.input_density, None),
+            ("cache_aware", gamma, 1.0),
+            ("threshold", self.threshold, "token"),
+        ):
+            if value != default and self.method != "dip":
+                raise ConfigError(f"{name} applies to method='dip' only (method is {self.method!r}).")
+        if self.threshold != "token" and gamma != 1:
+            raise ConfigError("cache_aware re-weights top-k scores: it needs threshold='token'.")
+        if self.input_density is None:
+            return
+        rho = self.input_density
+        if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not 0 < rho <= 1:
+            raise ConfigError(f"input_density must be a number in (0, 1], got {rho!r}.")
+        down = 3 * self.density - 2 * rho
+        if not 0 < down <= 1 + 1e-9:
+            raise ConfigError(
+                f"density {self.density} with input_density {rho} leaves a down density of {down:.3f}; "
+                f"it must be in (0, 1], so input_density must lie in "
+                f"[{max(0.0, (3 * self.density - 1) / 2):.3f}, {min(1.0, 1.5 * self.density):.3f})."
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """The persisted options, stamped with the flashlm version (runtime options stay out)."""

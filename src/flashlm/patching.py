@@ -16,11 +16,14 @@ from torch import nn
 
 from ._utils import cache_dir
 from .arch import MLPSpec, find_mlps, mlp_weight_names, model_type_of, spec_for
+from .calibration import Calibration
 from .config import FlashConfig
-from .patches import StreamingMLP
+from .errors import ConfigError, UnsupportedArchitectureError
+from .patches import FlashMLP, StreamingMLP, build_sparse_mlp, method_class
 from .runtime import STREAMED_KIND, FlashRuntime
 from .stats import FlashStats
-from .store import ModuleSource, SafetensorsSource, Store, convert, mlp_content_sha256
+from .store import ModuleSource, SafetensorsSource, Store, add_kinds, convert, mlp_content_sha256
+from .trace import Trace
 
 logger = logging.getLogger(__name__)
 
@@ -79,39 +82,61 @@ def _target(spec: MLPSpec, owner_name: str) -> tuple[str, list[str]]:
 
 
 def replace_mlps(model: nn.Module, store: Store, config: FlashConfig) -> FlashRuntime:
-    """Swap every MLP of `model` for a `StreamingMLP` reading `store`; returns the shared runtime.
+    """Swap every MLP of `model` for the module of `config.method` reading `store`; returns the runtime.
 
     Works on a model on the meta device (nothing of the MLPs is read) or in memory (the dense
-    MLP weights are released). Caches are allocated on the CPU within `config.memory_budget`.
+    MLP weights are released). Unit layouts the method needs and the store lacks are derived
+    from its bundles first. Caches are allocated on the CPU within `config.memory_budget`.
     """
     spec = spec_for(model_type_of(model.config))
     owners = find_mlps(model, spec)
     store.check_matches(num_layers=len(owners))
+    cls = method_class(config.method)
+    sparse = cls is not StreamingMLP
+    if sparse and not store.gated:
+        raise ConfigError(
+            f"method={config.method!r} prunes the projections of a gated (SwiGLU) MLP, but "
+            f"{store.model_type}'s MLP is not gated. Use method='dense'."
+        )
+    if sparse and store.has_bias:
+        raise UnsupportedArchitectureError(
+            f"method={config.method!r} does not support MLP biases ({store.model_type} has them)."
+        )
+    store = add_kinds(store, cls.KINDS)
+    calibration = Calibration.load(store.path, store.content_sha256) if sparse else None
     with torch.device("cpu"):
-        runtime = FlashRuntime(store, config)
+        runtime = FlashRuntime(store, config, cls.KINDS)
         for layer, owner_name, owner in owners:
-            resident = store.resident(layer)
-            streaming = StreamingMLP(
-                layer,
-                runtime,
-                runtime.make_cache(layer),
-                getattr(owner, spec.act),
-                gated=store.gated,
-                d_model=store.d_model,
-                d_ff=store.d_ff,
-                up_bias=resident.get("up_bias"),
-                down_bias=resident.get("down_bias"),
-                dense_class=type(owner) if spec.owner else None,
-            )
+            act = getattr(owner, spec.act)
+            dense_class = type(owner) if spec.owner else None
+            if sparse:
+                module = build_sparse_mlp(
+                    config, layer, runtime, act, calibration=calibration, dense_class=dense_class
+                )
+            else:
+                resident = store.resident(layer)
+                module = StreamingMLP(
+                    layer,
+                    runtime,
+                    runtime.make_cache(layer),
+                    act,
+                    gated=store.gated,
+                    d_model=store.d_model,
+                    d_ff=store.d_ff,
+                    up_bias=resident.get("up_bias"),
+                    down_bias=resident.get("down_bias"),
+                    dense_class=dense_class,
+                )
             target, identities = _target(spec, owner_name)
-            model.set_submodule(target, streaming)
+            model.set_submodule(target, module)
             for name in identities:
                 model.set_submodule(name, nn.Identity())
     return runtime
 
 
-def streaming_mlps(model: nn.Module) -> list[StreamingMLP]:
-    return [module for module in model.modules() if isinstance(module, StreamingMLP)]
+def streaming_mlps(model: nn.Module) -> list[FlashMLP]:
+    """The flashlm MLP modules of `model`, in module order."""
+    return [module for module in model.modules() if isinstance(module, FlashMLP)]
 
 
 def _runtime_of(model: nn.Module) -> FlashRuntime:
@@ -181,7 +206,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     weights = dense_mlp_weights(model)
     runtime = _runtime_of(model)
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, StreamingMLP)]:
+    for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, FlashMLP)]:
         dtype = runtime.store.dtype
         if spec.owner:
             with torch.device("meta"):
@@ -223,6 +248,23 @@ def stats(model: nn.Module, *, reset: bool = False) -> FlashStats:
     snapshot = runtime.snapshot()
     if reset:
         runtime.stats.reset()
+        if runtime.trace is not None:
+            runtime.trace.reset()
         for module in modules:
-            module.cache.reset_counters()
+            for cache in module.caches():
+                cache.reset_counters()
     return snapshot
+
+
+def trace(model: nn.Module) -> Trace:
+    """Which units each layer used at each step since the last reset (`record_trace=True` runs only)."""
+    runtime = _runtime_of(model)
+    if runtime.trace is None:
+        raise ValueError("This model records no trace: patch it with FlashConfig(record_trace=True).")
+    store = runtime.store
+    return runtime.trace.finish(
+        num_layers=store.num_layers,
+        num_units={kind: store.row_file(0, kind).rows for kind in runtime.kinds},
+        unit_bytes={kind: store.row_file(0, kind).row_bytes for kind in runtime.kinds},
+        metadata={"model_type": store.model_type, **runtime.config.to_dict()},
+    )

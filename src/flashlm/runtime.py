@@ -1,6 +1,6 @@
-"""`FlashRuntime`: what the streaming MLPs of one model share — the store, its reader, the two
-staging buffers that receive a layer's missed units, the down-projection workspace, the budget
-plan, the layer-ahead prefetcher and the stats recorder."""
+"""`FlashRuntime`: what the streaming MLPs of one model share — the store, its reader, the staging
+buffers that receive a layer's missed units, the down-projection workspace, the budget plan, the
+layer-ahead prefetcher, the cache clock, the stats recorder and the optional trace recorder."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from .cache import BudgetPlan, NeuronCache, make_policy, split_budget
 from .config import FlashConfig
 from .stats import FlashStats, StatsRecorder
 from .store import ALIGNMENT, Store, StoreReader
+from .trace import TraceRecorder
 
 STREAMED_KIND = "bundle"
 READER_BUFFER_CAP = 16 * 2**20
@@ -36,68 +37,100 @@ class Fetch:
 class FlashRuntime:
     """Owns the reader and the shared buffers; builds each layer's cache from one memory budget.
 
-    The budget covers everything flashlm allocates for streaming: two staging buffers (one
-    layer's missed units each, so the next layer's reads land while this layer computes), the
-    down-projection workspace, the reader's I/O buffer, and every layer's cache slots and indices.
+    `kinds` are the unit kinds the model's method reads: `("bundle",)` for dense streaming, two
+    kinds (one per stage) for the sparse methods. Each (layer, kind) gets a cache.
 
-    Reads run on one background thread (which fans out over the reader's pool), one at a time,
-    so counters measured around a read belong to it alone. Once a layer has its rows, the read
+    The budget covers everything flashlm allocates for streaming: the staging buffers (for dense
+    streaming two, one layer's missed units each, so the next layer's reads land while this layer
+    computes; one per kind otherwise), the down-projection workspace, the reader's I/O buffer, and
+    every cache's slots and indices.
+
+    Dense streaming's reads run on one background thread (which fans out over the reader's pool),
+    one at a time, so counters measured around a read belong to it alone. Once a layer has its rows, the read
     of the next layer's misses starts (`prefetch`), overlapping this layer's compute and the next
     layer's attention; it is valid because a layer's cache changes only in that layer's forward.
     """
 
-    def __init__(self, store: Store, config: FlashConfig) -> None:
+    def __init__(self, store: Store, config: FlashConfig, kinds: tuple[str, ...] = (STREAMED_KIND,)) -> None:
         self.store = store
         self.config = config
-        row_files = store.row_files(STREAMED_KIND)
+        self.kinds = kinds
+        row_files = {
+            (layer, kind): store.row_file(layer, kind) for layer in range(store.num_layers) for kind in kinds
+        }
         largest = max(f.nbytes for f in row_files.values())
         self.reader = StoreReader(
-            {(layer, STREAMED_KIND): f for layer, f in row_files.items()},
+            row_files,
             direct_io=config.direct_io,
             threads=config.io_threads,
             chunk_bytes=config.io_chunk_bytes,
             buffer_bytes=min(largest + 2 * ALIGNMENT, READER_BUFFER_CAP),
         )
-        first = row_files[0]
-        self.num_layers = len(row_files)
-        self.width = first.width
-        self.max_units = max(f.rows for f in row_files.values())
+        self.num_layers = store.num_layers
         self.d_model = store.d_model
-        staging_bytes = 2 * self.max_units * first.row_bytes
-        workspace_bytes = self.max_units * store.d_model * store.dtype.itemsize
-        self.budget_bytes = config.budget.resolve(store.nbytes(STREAMED_KIND))
+        self.layer_mlp_bytes = (3 if store.gated else 2) * store.d_model * store.d_ff * store.dtype.itemsize
+        """Bytes of one layer's dense MLP weights: what a token uses at density 1."""
+        # Dense streaming prefetches the next layer into the other of two staging buffers; the
+        # two-stage sparse methods read each stage's misses on demand, one buffer per kind.
+        prefetched = kinds == (STREAMED_KIND,)
+        self.staging = {
+            kind: [
+                torch.empty(store.row_file(0, kind).rows, store.row_file(0, kind).width, dtype=store.dtype)
+                for _ in range(2 if prefetched else 1)
+            ]
+            for kind in kinds
+        }
+        staging_bytes = sum(b.numel() * b.element_size() for bufs in self.staging.values() for b in bufs)
+        workspace_bytes = store.d_ff * store.d_model * store.dtype.itemsize if prefetched else 0
+        self.budget_bytes = config.budget.resolve(self.num_layers * self.layer_mlp_bytes)
+        self._cache_keys = list(row_files)
         self.plan: BudgetPlan = split_budget(
             self.budget_bytes,
-            unit_bytes=[f.row_bytes for f in row_files.values()],
-            num_units=[f.rows for f in row_files.values()],
+            unit_bytes=[row_files[key].row_bytes for key in self._cache_keys],
+            num_units=[row_files[key].rows for key in self._cache_keys],
             overhead_bytes=staging_bytes + workspace_bytes + self.reader.buffer_bytes,
-            policy=config.policy,
+            policy=self._policy_name,
+            cache_units=config.policy != "none",
         )
-        self.staging = [
-            torch.empty(self.max_units, first.width, dtype=store.dtype, device="cpu") for _ in range(2)
-        ]
         self._workspaces: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-        self.down_workspace(torch.device("cpu"), store.dtype)
-        self.caches: dict[int, NeuronCache] = {}
-        self._unit_ids = torch.arange(self.max_units)
+        if prefetched:
+            self.down_workspace(torch.device("cpu"), store.dtype)
+        self.caches: dict[tuple[int, str], NeuronCache] = {}
+        self._unit_ids = torch.arange(max(f.rows for f in row_files.values()))
         self._io = ThreadPoolExecutor(1, thread_name_prefix="flashlm-prefetch")
         self._pending: Future[Fetch] | None = None
         self.stats = StatsRecorder()
+        self.trace = TraceRecorder() if config.record_trace else None
+        self.clock = 0
+        self.step_start = 0
+        """Cache clock: one tick per token position processed, so policies count tokens."""
 
-    def make_cache(self, layer: int) -> NeuronCache:
-        """Layer `layer`'s cache, with the capacity the budget plan gives it (allocated on the CPU)."""
-        num_units = self.store.row_file(layer, STREAMED_KIND).rows
-        policy = make_policy(self.config.policy, num_units, **self._policy_options())
+    def begin_step(self, tokens: int) -> int:
+        """Start a forward pass of `tokens` token positions (called by layer 0); returns its first tick."""
+        self.stats.begin_step()
+        start, self.clock = self.clock, self.clock + tokens
+        self.step_start = start
+        return start
+
+    def make_cache(self, layer: int, kind: str = STREAMED_KIND) -> NeuronCache:
+        """Layer `layer`'s cache of `kind` units, with the capacity the budget plan gives it (on the CPU)."""
+        num_units = self.store.row_file(layer, kind).rows
+        policy = make_policy(self._policy_name, num_units, **self._policy_options())
         cache = NeuronCache(
             num_units,
-            self.plan.capacities[layer],
-            self.width,
+            self.plan.capacities[self._cache_keys.index((layer, kind))],
+            self.store.row_file(layer, kind).width,
             self.store.dtype,
             policy,
             device=torch.device("cpu"),
         )
-        self.caches[layer] = cache
+        self.caches[(layer, kind)] = cache
         return cache
+
+    @property
+    def _policy_name(self) -> str:
+        """The eviction policy's name; "none" (no cache) keeps LRU's bookkeeping on zero slots."""
+        return "lru" if self.config.policy == "none" else self.config.policy
 
     def _policy_options(self) -> dict:
         return {"window": self.config.window} if self.config.policy == "window" else {}
@@ -109,14 +142,16 @@ class FlashRuntime:
         """
         key = (torch.device(device), dtype)
         if key not in self._workspaces:
-            self._workspaces[key] = torch.empty(self.max_units, self.d_model, dtype=dtype, device=device)
+            self._workspaces[key] = torch.empty(self.store.d_ff, self.d_model, dtype=dtype, device=device)
         return self._workspaces[key]
 
-    def _read(self, layer: int, ids: torch.Tensor, buffer: int) -> Fetch:
-        rows = self.staging[buffer][: ids.numel()]
+    def read(self, layer: int, kind: str, ids: torch.Tensor, buffer: int = 0) -> Fetch:
+        """Read units `ids` of `layer`'s `kind` matrix now, into that kind's staging buffer `buffer`."""
+        rows = self.staging[kind][buffer][: ids.numel()]
         bytes_before, reads_before = self.reader.bytes_read, self.reader.reads_issued
         started = perf_counter()
-        self.reader.read((layer, STREAMED_KIND), ids, rows)
+        if ids.numel():
+            self.reader.read((layer, kind), ids, rows)
         return Fetch(
             layer,
             ids,
@@ -128,7 +163,8 @@ class FlashRuntime:
         )
 
     def fetch(self, layer: int, miss_ids: torch.Tensor) -> Fetch:
-        """The rows of `miss_ids` in `layer`: the prefetched read if it is that one, else a read now."""
+        """Dense streaming: the rows of `miss_ids` in `layer`, the prefetched read if it is that one,
+        else a read now."""
         pending, self._pending = self._pending, None
         if pending is not None:
             fetched = pending.result()
@@ -142,16 +178,16 @@ class FlashRuntime:
     def prefetch(self, current: Fetch) -> None:
         """Start reading the next layer's misses into the staging buffer `current` does not use."""
         layer = (current.layer + 1) % self.num_layers
-        cache = self.caches[layer]
+        cache = self.caches[(layer, STREAMED_KIND)]
         ids = self._unit_ids[: cache.num_units]
         self._pending = self._submit(layer, ids[cache.slot_of[ids] < 0], 1 - current.buffer)
 
     def _submit(self, layer: int, ids: torch.Tensor, buffer: int) -> Future[Fetch]:
         """A read on the I/O thread, or, with nothing to read, a finished one without the thread hop."""
         if ids.numel():
-            return self._io.submit(self._read, layer, ids, buffer)
+            return self._io.submit(self.read, layer, STREAMED_KIND, ids, buffer)
         done: Future[Fetch] = Future()
-        done.set_result(Fetch(layer, ids, self.staging[buffer][:0], buffer, 0, 0, 0.0))
+        done.set_result(self.read(layer, STREAMED_KIND, ids, buffer))
         return done
 
     def drain(self) -> None:
@@ -166,7 +202,7 @@ class FlashRuntime:
             cache.nbytes + sum(b.numel() * b.element_size() for b in cache.policy.buffers())
             for cache in self.caches.values()
         )
-        buffers = [*self.staging, *self._workspaces.values()]
+        buffers = [*(b for bufs in self.staging.values() for b in bufs), *self._workspaces.values()]
         return cache_bytes + sum(b.numel() * b.element_size() for b in buffers) + self.reader.buffer_bytes
 
     def snapshot(self) -> FlashStats:

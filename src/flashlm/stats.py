@@ -14,7 +14,10 @@ import numpy as np
 
 from ._utils import format_bytes
 
-COUNTER_FIELDS = ("tokens", "bytes_read", "reads", "hits", "misses", "evictions")
+COUNTER_FIELDS = ("tokens", "bytes_read", "reads", "hits", "misses", "evictions", "used_bytes", "dense_bytes")
+"""`used_bytes` are the MLP weight bytes the step's tokens used (each token counted apart, everything
+a method must read included); `dense_bytes` what the dense MLP would use for the same tokens. Their
+ratio is the achieved MLP density."""
 TIME_FIELDS = ("io_s", "io_busy_s", "cache_s", "compute_s")
 """`io_s` is the time a layer waited for its reads (what I/O adds to latency); `io_busy_s` how long
 those reads took on the background reader, mostly overlapped with the previous layer's work."""
@@ -110,9 +113,16 @@ class FlashStats:
         total["steps"] = len(steps)
         lookups = total["hits"] + total["misses"]
         total["hit_rate"] = total["hits"] / lookups if lookups else float("nan")
+        total["density"] = (
+            total["used_bytes"] / total["dense_bytes"] if total["dense_bytes"] else float("nan")
+        )
         for name in ("bytes_read", "reads", *TIME_FIELDS):
             total[f"{name}_per_step"] = total[name] / len(steps) if steps else float("nan")
         return total
+
+    def density(self, *, decode_only: bool = False) -> float:
+        """Achieved MLP density: weight bytes used per token over the dense MLP's (NaN with no steps)."""
+        return self.totals(decode_only=decode_only)["density"]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -132,7 +142,8 @@ class FlashStats:
             t = self.totals()
         ms = {name: 1e3 * t[f"{name}_per_step"] for name in TIME_FIELDS}
         return (
-            f"{t['steps']} steps | per step: {format_bytes(t['bytes_read_per_step'])} read in "
+            f"{t['steps']} steps | MLP density {t['density']:.1%} | per step: "
+            f"{format_bytes(t['bytes_read_per_step'])} read in "
             f"{t['reads_per_step']:.0f} reads, hit rate {t['hit_rate']:.1%} | "
             f"I/O wait {ms['io_s']:.1f} ms (reads took {ms['io_busy_s']:.1f} ms, overlapped), "
             f"cache {ms['cache_s']:.1f} ms, compute {ms['compute_s']:.1f} ms | "

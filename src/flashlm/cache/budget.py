@@ -45,8 +45,11 @@ def split_budget(
     num_units: Sequence[int],
     overhead_bytes: int,
     policy: str = "lru",
+    cache_units: bool = True,
 ) -> BudgetPlan:
     """Capacities for one cache per entry of `unit_bytes` / `num_units` (bytes per unit row, units).
+
+    `cache_units=False` plans no slots at all (the "no cache" baseline: every unit read every time).
 
     Raises `BudgetTooSmallError`, naming the minimum, when the budget cannot hold the working
     memory and the caches' indices; `ConfigError` for inconsistent arguments or an unknown policy.
@@ -71,7 +74,7 @@ def split_budget(
         )
 
     slot_bytes = [NeuronCache.slot_bytes(u) for u in unit_bytes]
-    capacities = _fill(budget_bytes - minimum, slot_bytes, num_units)
+    capacities = _fill(budget_bytes - minimum, slot_bytes, num_units) if cache_units else [0] * len(num_units)
     cache_bytes = sum(c * u for c, u in zip(capacities, unit_bytes, strict=True))
     index_bytes = fixed_bytes + sum(
         c * (s - u) for c, s, u in zip(capacities, slot_bytes, unit_bytes, strict=True)

@@ -21,7 +21,7 @@ from ..errors import ConfigError
 
 
 class FlashQuantizer(HfQuantizer):
-    """Swaps every MLP for a `StreamingMLP` before weights load; the MLP weights are never read.
+    """Swaps every MLP for a flashlm module (`FlashMLP`) before weights load; the MLP weights are never read.
 
     The store is found (or converted, on first load) from the checkpoint files transformers
     resolved. The MLP tensors in the checkpoint become expected-unexpected keys, which the loader

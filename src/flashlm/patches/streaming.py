@@ -18,24 +18,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import NeuronCache
+from .base import FlashMLP, register_method
 
 if TYPE_CHECKING:
     from ..runtime import FlashRuntime
 
 
-class StreamingMLP(nn.Module):
-    """Computes one MLP from streamed neuron bundles. Holds no `nn.Parameter`.
+@register_method("dense")
+class StreamingMLP(FlashMLP):
+    """Computes one MLP from streamed neuron bundles (`method="dense"`). Holds no `nn.Parameter`.
 
-    Args:
-        layer: index of the decoder layer, the store's key for this MLP.
-        runtime: the model's `FlashRuntime` (reader, staging buffers, prefetch, stats).
-        cache: this layer's neuron cache (a submodule: `.to()` moves its slots).
-        act: the activation module taken from the original MLP.
-        gated: `down(act(gate x) * up x)` if True, else `down(act(up x + b)) + b`.
+    Args (beyond `FlashMLP`'s):
+        cache: this layer's neuron cache of bundles (a submodule: `.to()` moves its slots).
         up_bias, down_bias: biases of plain MLPs, kept resident.
-        dense_class: the class of the MLP module this one replaced, rebuilt by `unpatch` (None
-            where the projections sat on the decoder layer itself).
     """
+
+    KINDS = ("bundle",)
 
     def __init__(
         self,
@@ -51,15 +49,10 @@ class StreamingMLP(nn.Module):
         down_bias: torch.Tensor | None = None,
         dense_class: type[nn.Module] | None = None,
     ) -> None:
-        super().__init__()
-        self.layer = layer
-        self.runtime = runtime
+        super().__init__(
+            layer, runtime, act, gated=gated, d_model=d_model, d_ff=d_ff, dense_class=dense_class
+        )
         self.cache = cache
-        self.act = act
-        self.gated = gated
-        self.d_model = d_model
-        self.d_ff = d_ff
-        self.dense_class = dense_class
         self.register_buffer("unit_ids", torch.arange(d_ff), persistent=False)
         self.register_buffer("up_bias", up_bias, persistent=False)
         self.register_buffer("down_bias", down_bias, persistent=False)
@@ -71,13 +64,12 @@ class StreamingMLP(nn.Module):
         transformers' loader replaces all non-persistent buffers with uninitialized placeholders
         after weight loading; the quantizer calls this once loading is done.
         """
-        self.runtime.drain()
+        super().reset_state()
         self.unit_ids.copy_(torch.arange(self.d_ff))
         resident = self.runtime.store.resident(self.layer)
         for name in ("up_bias", "down_bias"):
             if getattr(self, name) is not None:
                 getattr(self, name).copy_(resident[name])
-        self.cache.clear()
 
     def extra_repr(self) -> str:
         return (
@@ -87,9 +79,9 @@ class StreamingMLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         runtime = self.runtime
-        if self.layer == 0:
-            runtime.stats.begin_step()
         x = hidden_states.reshape(-1, self.d_model)
+        if self.layer == 0:
+            runtime.begin_step(x.shape[0])
         hits_before, misses_before = self.cache.hits, self.cache.misses
         evictions_before = self.cache.evictions
 
@@ -106,7 +98,9 @@ class StreamingMLP(nn.Module):
         ]
         out = self._mlp([(rows, ids) for rows, ids in groups if ids.numel()], x)
         computed = perf_counter()
-        self.cache.update(self.unit_ids, miss_ids, fetched.rows, runtime.stats.step)
+        self.cache.update(self.unit_ids, miss_ids, fetched.rows, runtime.step_start)
+        if runtime.trace is not None:
+            runtime.trace.record(runtime.step_start, self.layer, "bundle", self.unit_ids)
         updated = perf_counter()
 
         runtime.stats.record(
@@ -117,6 +111,8 @@ class StreamingMLP(nn.Module):
             hits=self.cache.hits - hits_before,
             misses=self.cache.misses - misses_before,
             evictions=self.cache.evictions - evictions_before,
+            used_bytes=x.shape[0] * runtime.layer_mlp_bytes,
+            dense_bytes=x.shape[0] * runtime.layer_mlp_bytes,
             io_s=read_done - looked_up,
             io_busy_s=fetched.busy_s,
             cache_s=(looked_up - start) + (updated - computed),

@@ -1,0 +1,457 @@
+"""The DIP paper's sparse MLPs for gated (SwiGLU) models: DIP, DIP-CA and its baselines.
+
+Each method runs in two stages over two unit kinds of the store, each kind with its own cache:
+
+| method | stage 1 reads (kind)                 | selects stage 2 by             | stage 2 reads (kind)     |
+|--------|--------------------------------------|--------------------------------|--------------------------|
+| dip    | top-k of |x|: up/gate cols (dip_in)  | top-k of the pruned GLU        | down cols (dip_down)     |
+| glu    | every up/gate column (dip_in)        | top-k of the full GLU (oracle) | down cols (dip_down)     |
+| up     | every up row (up)                    | top-k of |up x|                | gate row, down col       |
+|        |                                      |                                | (gate_down)              |
+| gate   | every gate row (gate)                | top-k of |act(gate x)|         | up row, down col         |
+|        |                                      |                                | (up_down)                |
+| cats   | every gate row (gate)                | |act(gate x)| > layer threshold | up row, down col         |
+|        |                                      |                                | (up_down)                |
+
+With `cache_aware=γ < 1` (DIP-CA, Algorithm 1) both of DIP's selections rank by
+`|v| (c + γ(1-c)) / ||v||_inf`, c the stage's cache residency, so units already in memory win
+close calls.
+
+A forward of T tokens computes every token with its own masks, as T decode steps would; the
+reads cover the union of what the tokens need (prefill therefore reads about everything, like
+dense). Masks that depend on the cache see it as it was when the forward began, unless
+`sequential_prefill` asks for the exact token-by-token evolution (the perplexity harness does):
+then each stage reads its whole matrix once and replays the cache token by token.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from time import perf_counter
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache import NeuronCache
+from ..calibration import CalibrationMissingError
+from .base import FlashMLP, register_method
+from .masking import cache_aware_scores, threshold_mask, topk_mask, union_ids
+
+if TYPE_CHECKING:
+    from ..calibration import Calibration
+    from ..config import FlashConfig
+    from ..runtime import FlashRuntime
+
+logger = logging.getLogger(__name__)
+
+Parts = list[tuple[torch.Tensor, torch.Tensor]]
+"""(rows, unit ids) pairs that together hold every unit a stage needs: cached rows and fresh reads."""
+
+
+@dataclass
+class _StageTimes:
+    cache_s: float = 0.0
+    io_s: float = 0.0
+    compute_s: float = 0.0
+    bytes_read: int = 0
+    reads: int = 0
+
+
+class SparseMLP(FlashMLP):
+    """A two-stage sparse MLP (see the module docstring). Subclasses define the four hooks.
+
+    Args (beyond `FlashMLP`'s): `k_out`: units kept per token by the second selection (the
+    subclass decides what it ranks); `gamma`: cache-aware re-weighting (1.0: off).
+    """
+
+    INPUT_KIND: str
+    OUTPUT_KIND: str
+
+    def __init__(
+        self,
+        layer: int,
+        runtime: FlashRuntime,
+        act: nn.Module,
+        *,
+        d_model: int,
+        d_ff: int,
+        k_out: int,
+        gamma: float = 1.0,
+        dense_class: type[nn.Module] | None = None,
+    ) -> None:
+        super().__init__(layer, runtime, act, gated=True, d_model=d_model, d_ff=d_ff, dense_class=dense_class)
+        self.k_out = k_out
+        self.gamma = gamma
+        self.input_cache = runtime.make_cache(layer, self.INPUT_KIND)
+        self.output_cache = runtime.make_cache(layer, self.OUTPUT_KIND)
+        self._row_bytes = {
+            kind: runtime.store.row_file(layer, kind).row_bytes
+            for kind in (self.INPUT_KIND, self.OUTPUT_KIND)
+        }
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.KINDS = (cls.INPUT_KIND, cls.OUTPUT_KIND)
+
+    def extra_repr(self) -> str:
+        return (
+            f"layer={self.layer}, d_model={self.d_model}, d_ff={self.d_ff}, k_out={self.k_out}, "
+            f"gamma={self.gamma}, capacity=({self.input_cache.capacity}, {self.output_cache.capacity})"
+        )
+
+    # ---- the four hooks ------------------------------------------------------------------------
+
+    def select_input(self, x: torch.Tensor, resident: torch.Tensor) -> torch.Tensor | None:
+        """`[T, units]` mask of the stage-1 units each of the tokens `x` needs, or None for all of them.
+
+        `resident` is the stage's cache residency (for cache-aware selection)."""
+        return None
+
+    def compute_input(self, x: torch.Tensor, mask: torch.Tensor | None, parts: Parts) -> torch.Tensor:
+        """Stage 1: the `[T, d_ff]` activation the second selection ranks."""
+        raise NotImplementedError
+
+    def select_output(self, a: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:
+        """`[T, d_ff]` mask of the stage-2 units each token keeps, from its stage-1 activation `a`."""
+        return topk_mask(a.abs(), self.k_out)
+
+    def compute_output(
+        self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts
+    ) -> torch.Tensor:
+        """Stage 2: the MLP's `[T, d_model]` output."""
+        raise NotImplementedError
+
+    # ---- the engine ---------------------------------------------------------------------------
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        runtime = self.runtime
+        x = hidden_states.reshape(-1, self.d_model)
+        tokens = x.shape[0]
+        if self.layer == 0:
+            runtime.begin_step(tokens)
+        before = self.counters()
+        times = _StageTimes()
+        sequential = tokens > 1 and runtime.config.sequential_prefill
+
+        in_mask, in_parts, finish_in = self._stage(
+            self.INPUT_KIND, self.input_cache, self.select_input, x, times, sequential
+        )
+        started = perf_counter()
+        a = self.compute_input(x, in_mask, in_parts)
+        times.compute_s += perf_counter() - started
+        finish_in()
+
+        out_mask, out_parts, finish_out = self._stage(
+            self.OUTPUT_KIND, self.output_cache, self.select_output, a, times, sequential
+        )
+        started = perf_counter()
+        out = self.compute_output(x, a, out_mask, out_parts)
+        times.compute_s += perf_counter() - started
+        finish_out()
+
+        hits, misses, evictions = (now - then for now, then in zip(self.counters(), before, strict=True))
+        used = sum(
+            (tokens * cache.num_units if mask is None else int(mask.sum())) * self._row_bytes[kind]
+            for kind, cache, mask in (
+                (self.INPUT_KIND, self.input_cache, in_mask),
+                (self.OUTPUT_KIND, self.output_cache, out_mask),
+            )
+        )
+        runtime.stats.record(
+            self.layer,
+            tokens=tokens,
+            bytes_read=times.bytes_read,
+            reads=times.reads,
+            hits=hits,
+            misses=misses,
+            evictions=evictions,
+            used_bytes=used,
+            dense_bytes=tokens * runtime.layer_mlp_bytes,
+            io_s=times.io_s,
+            io_busy_s=times.io_s,
+            cache_s=times.cache_s,
+            compute_s=times.compute_s,
+        )
+        return out.reshape(hidden_states.shape)
+
+    def _stage(
+        self, kind, cache: NeuronCache, select, values: torch.Tensor, times: _StageTimes, sequential: bool
+    ):
+        """Select (`select(values, residency)`), look up and read one stage's units.
+
+        Returns (mask, parts, finish); `finish()` updates the cache once the stage's rows are no
+        longer needed (the staging buffer is reused by the next layer).
+        """
+        runtime, layer = self.runtime, self.layer
+        if sequential:
+            return self._sequential_stage(kind, cache, select, values, times)
+        started = perf_counter()
+        mask = select(values, cache.slot_of >= 0)
+        ids = torch.arange(cache.num_units) if mask is None else union_ids(mask)
+        _, _, miss_ids = cache.lookup(ids)
+        looked_up = perf_counter()
+        fetched = runtime.read(layer, kind, miss_ids)
+        read_done = perf_counter()
+        times.cache_s += looked_up - started
+        times.io_s += read_done - looked_up
+        times.bytes_read += fetched.bytes_read
+        times.reads += fetched.reads
+        parts = [(cache.rows[: cache.size], cache.slot_ids[: cache.size]), (fetched.rows, miss_ids)]
+        parts = [(rows, part_ids) for rows, part_ids in parts if part_ids.numel()]
+
+        def finish() -> None:
+            updating = perf_counter()
+            cache.update(ids, miss_ids, fetched.rows, runtime.step_start)
+            if runtime.trace is not None:
+                runtime.trace.record(runtime.step_start, layer, kind, ids)
+            times.cache_s += perf_counter() - updating
+
+        return mask, parts, finish
+
+    def _sequential_stage(self, kind, cache: NeuronCache, select, values: torch.Tensor, times: _StageTimes):
+        """Read the whole matrix, then select and update the cache token by token, as decoding would."""
+        runtime, layer = self.runtime, self.layer
+        all_ids = torch.arange(cache.num_units)
+        started = perf_counter()
+        fetched = runtime.read(layer, kind, all_ids)
+        read_done = perf_counter()
+        times.io_s += read_done - started
+        times.bytes_read += fetched.bytes_read
+        times.reads += fetched.reads
+        depends = self._depends_on_cache()
+        mask = None if depends else select(values, cache.slot_of >= 0)
+        every = torch.ones(cache.num_units, dtype=torch.bool)
+        token_masks = []
+        for t in range(values.shape[0]):
+            if depends:
+                token_mask = select(values[t : t + 1], cache.slot_of >= 0)[0]
+                token_masks.append(token_mask)
+            else:
+                token_mask = every if mask is None else mask[t]
+            ids = token_mask.nonzero().squeeze(1)
+            _, _, miss_ids = cache.lookup(ids)
+            cache.update(ids, miss_ids, fetched.rows[miss_ids], runtime.step_start + t)
+            if runtime.trace is not None:
+                runtime.trace.record(runtime.step_start + t, layer, kind, ids)
+        times.cache_s += perf_counter() - read_done
+        if depends:
+            mask = torch.stack(token_masks)
+        return mask, [(fetched.rows, all_ids)], lambda: None
+
+    def _depends_on_cache(self) -> bool:
+        return self.gamma < 1
+
+    # ---- shared arithmetic --------------------------------------------------------------------
+
+    @staticmethod
+    def _columns(coef: torch.Tensor, parts: Parts) -> torch.Tensor:
+        """`coef @ W` where unit i is row i of W (an input column of the projection): sum over parts."""
+        out = None
+        for rows, ids in parts:
+            term = coef[:, ids] @ rows.to(coef.dtype)
+            out = term if out is None else out + term
+        return out
+
+    @staticmethod
+    def _rows(x: torch.Tensor, parts: Parts, num_units: int) -> torch.Tensor:
+        """`x @ W.T` where unit j is row j of W (an output row of the projection): placed by unit id."""
+        if (
+            len(parts) == 1
+            and parts[0][1].numel() == num_units
+            and bool((parts[0][1][1:] > parts[0][1][:-1]).all())
+        ):
+            return F.linear(x, parts[0][0].to(x.dtype))
+        out = x.new_zeros(x.shape[0], num_units)
+        for rows, ids in parts:
+            out[:, ids] = F.linear(x, rows.to(x.dtype))
+        return out
+
+
+def _clamp_units(fraction: float, units: int) -> int:
+    return min(units, max(1, round(fraction * units)))
+
+
+@register_method("dip")
+class DIPMLP(SparseMLP):
+    """Dynamic Input Pruning (eqs. 7-8), cache-aware with `gamma < 1` (eq. 10, Algorithm 1).
+
+    `k_in` input columns of up/gate per token (or those above `input_threshold`, for the paper's
+    per-layer and global thresholds), then `k_out` down columns by the pruned GLU's magnitude.
+    """
+
+    INPUT_KIND = "dip_in"
+    OUTPUT_KIND = "dip_down"
+
+    def __init__(self, *args, k_in: int, input_threshold: float | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.k_in = k_in
+        self.input_threshold = input_threshold
+
+    def extra_repr(self) -> str:
+        threshold = "" if self.input_threshold is None else f", input_threshold={self.input_threshold:.4g}"
+        return f"{super().extra_repr()}, k_in={self.k_in}{threshold}"
+
+    def select_input(self, x: torch.Tensor, resident: torch.Tensor) -> torch.Tensor | None:
+        if self.input_threshold is not None:
+            return threshold_mask(x, self.input_threshold)
+        return topk_mask(cache_aware_scores(x, resident, self.gamma), self.k_in)
+
+    def compute_input(self, x: torch.Tensor, mask: torch.Tensor | None, parts: Parts) -> torch.Tensor:
+        up_gate = self._columns(x if mask is None else x * mask, parts)  # dip_in row i: up[:, i] | gate[:, i]
+        return up_gate[:, : self.d_ff] * self.act(up_gate[:, self.d_ff :])
+
+    def select_output(self, a: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:
+        return topk_mask(cache_aware_scores(a, resident, self.gamma), self.k_out)
+
+    def compute_output(
+        self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts
+    ) -> torch.Tensor:
+        return self._columns(a * mask, parts)
+
+
+@register_method("glu")
+class GLUPruningMLP(DIPMLP):
+    """GLU pruning, the oracle (eq. 4): the full GLU from every up/gate column, top-k down columns."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, k_in=0, **kwargs)
+
+    def select_input(self, x: torch.Tensor, resident: torch.Tensor) -> None:
+        return None
+
+    def select_output(self, a: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:
+        return topk_mask(a.abs(), self.k_out)
+
+
+@register_method("up")
+class UpPruningMLP(SparseMLP):
+    """Up pruning (eq. 5 with up for gate): the full `up x`; its top-k picks gate rows and down columns."""
+
+    INPUT_KIND = "up"
+    OUTPUT_KIND = "gate_down"
+
+    def compute_input(self, x: torch.Tensor, mask: torch.Tensor | None, parts: Parts) -> torch.Tensor:
+        return self._rows(x, parts, self.d_ff)
+
+    def compute_output(
+        self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts
+    ) -> torch.Tensor:
+        out = x.new_zeros(x.shape[0], self.d_model)
+        for rows, ids in parts:  # gate_down row j: gate[j, :] | down[:, j]
+            rows = rows.to(x.dtype)
+            gate = F.linear(x, rows[:, : self.d_model])
+            out += (a[:, ids] * self.act(gate) * mask[:, ids]) @ rows[:, self.d_model :]
+        return out
+
+
+@register_method("gate")
+class GatePruningMLP(SparseMLP):
+    """Gate pruning (eq. 5): the full `act(gate x)`; its top-k picks up rows and down columns."""
+
+    INPUT_KIND = "gate"
+    OUTPUT_KIND = "up_down"
+
+    def compute_input(self, x: torch.Tensor, mask: torch.Tensor | None, parts: Parts) -> torch.Tensor:
+        return self.act(self._rows(x, parts, self.d_ff))
+
+    def compute_output(
+        self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts
+    ) -> torch.Tensor:
+        out = x.new_zeros(x.shape[0], self.d_model)
+        for rows, ids in parts:  # up_down row j: up[j, :] | down[:, j]
+            rows = rows.to(x.dtype)
+            up = F.linear(x, rows[:, : self.d_model])
+            out += (a[:, ids] * up * mask[:, ids]) @ rows[:, self.d_model :]
+        return out
+
+
+@register_method("cats")
+class CATSMLP(GatePruningMLP):
+    """CATS: gate pruning by a per-layer threshold on |act(gate x)|, calibrated from its distribution."""
+
+    def __init__(self, *args, threshold: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.threshold = threshold
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, threshold={self.threshold:.4g}"
+
+    def select_output(self, a: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:
+        return threshold_mask(a, self.threshold)
+
+
+def build_sparse_mlp(
+    config: FlashConfig,
+    layer: int,
+    runtime: FlashRuntime,
+    act: nn.Module,
+    *,
+    calibration: Calibration | None,
+    dense_class: type[nn.Module] | None = None,
+) -> SparseMLP:
+    """The module of `config.method` for one layer, its unit counts derived from `config.density`.
+
+    Raises `CalibrationMissingError` when the method needs thresholds that were never calibrated.
+    """
+    store = runtime.store
+    density = config.density
+    common = {"d_model": store.d_model, "d_ff": store.d_ff, "dense_class": dense_class}
+    if config.method == "dip":
+        rho_in, rho_out = dip_split(config, calibration)
+        threshold = None
+        if config.threshold != "token":
+            calibration = _require(calibration, f"threshold={config.threshold!r}")
+            threshold = (
+                calibration.input_threshold(layer, rho_in)
+                if config.threshold == "layer"
+                else calibration.global_input_threshold(rho_in)
+            )
+        return DIPMLP(
+            layer,
+            runtime,
+            act,
+            k_in=_clamp_units(rho_in, store.d_model),
+            k_out=_clamp_units(rho_out, store.d_ff),
+            gamma=config.cache_aware,
+            input_threshold=threshold,
+            **common,
+        )
+    if config.method == "glu":
+        return GLUPruningMLP(layer, runtime, act, k_out=_clamp_units(density, store.d_ff), **common)
+    # gate, up and cats read one full projection (a third) and keep ρ of the other two thirds.
+    rho = (3 * density - 1) / 2
+    k_out = _clamp_units(rho, store.d_ff)
+    if config.method == "cats":
+        threshold = _require(calibration, "method='cats'").gate_threshold(layer, rho)
+        return CATSMLP(layer, runtime, act, k_out=k_out, threshold=threshold, **common)
+    cls = {"up": UpPruningMLP, "gate": GatePruningMLP}[config.method]
+    return cls(layer, runtime, act, k_out=k_out, **common)
+
+
+def dip_split(config: FlashConfig, calibration: Calibration | None) -> tuple[float, float]:
+    """(ρ_in, ρ_down) for DIP: explicit, calibrated (the Pareto fit), or equal without a calibration."""
+    density = config.density
+    if config.input_density is not None:
+        return config.input_density, min(1.0, 3 * density - 2 * config.input_density)
+    if calibration is not None and calibration.split_fit is not None:
+        return calibration.split(density)
+    if density < 1:
+        logger.warning(
+            "flashlm: no calibrated DIP density split for this store; using ρ_in = ρ_down = %.3f. "
+            "Run `flashlm calibrate` once to fit the Pareto-optimal split (DIP paper, appendix B.1).",
+            density,
+        )
+    return density, density
+
+
+def _require(calibration: Calibration | None, what: str) -> Calibration:
+    if calibration is None:
+        raise CalibrationMissingError(
+            f"{what} needs magnitude thresholds calibrated on text, and this store has none. Run "
+            "`flashlm calibrate` (or `flashlm.calibrate(model_path)`) once; it writes calibration.json "
+            "into the store."
+        )
+    return calibration

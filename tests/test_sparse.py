@@ -1,0 +1,359 @@
+"""The DIP paper's sparse MLPs: selection functions against their equations, each method's module
+against a per-token reimplementation, density 1.0 against dense, achieved density, cache-aware
+masking's hit rate, sequential prefill against decoding, generation, and bad configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import build_tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
+
+import flashlm
+from flashlm.calibration import Calibration
+from flashlm.errors import BudgetTooSmallError, ConfigError
+from flashlm.patches import CATSMLP, DIPMLP, SparseMLP, method_class
+from flashlm.patches.masking import (
+    cache_aware_scores,
+    threshold_for_density,
+    threshold_mask,
+    topk_mask,
+    union_ids,
+)
+from flashlm.patching import streaming_mlps
+from flashlm.runtime import FlashRuntime
+from flashlm.store import add_kinds
+
+SPARSE_METHODS = ["dip", "glu", "gate", "up", "cats"]
+
+# ---- selection functions against their equations ---------------------------------------------
+
+
+def test_topk_mask_keeps_the_k_largest_of_each_row() -> None:
+    scores = torch.randn(5, 17, generator=torch.Generator().manual_seed(0))
+    mask = topk_mask(scores, 6)
+    for row, kept in zip(scores, mask, strict=True):
+        expected = set(sorted(range(17), key=lambda i: -row[i].item())[:6])
+        assert set(kept.nonzero().squeeze(1).tolist()) == expected
+    assert not topk_mask(scores, 0).any() and topk_mask(scores, 17).all()
+    with pytest.raises(ValueError):
+        topk_mask(scores, 18)
+
+
+def test_cache_aware_scores_is_equation_10() -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 11, generator=g)
+    resident = torch.rand(11, generator=g) > 0.5
+    gamma = 0.2
+    scores = cache_aware_scores(x, resident, gamma)
+    for t in range(3):
+        norm = max(abs(v) for v in x[t].tolist())
+        for i in range(11):
+            c = 1.0 if resident[i] else 0.0
+            assert scores[t, i].item() == pytest.approx(abs(x[t, i].item()) * (c + gamma * (1 - c)) / norm)
+    # gamma = 1 ranks by magnitude alone (plain DIP)
+    assert torch.equal(topk_mask(cache_aware_scores(x, resident, 1.0), 4), topk_mask(x.abs(), 4))
+
+
+def test_threshold_helpers() -> None:
+    values = torch.randn(4000, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(threshold_mask(values, 0.5), values.abs() > 0.5)
+    levels = torch.linspace(0, 1, 201, dtype=torch.float64)
+    quantiles = torch.quantile(values.abs().double(), levels)
+    for keep in (0.1, 0.5, 0.9):
+        t = threshold_for_density(quantiles, keep)
+        assert t == pytest.approx(torch.quantile(values.abs().double(), 1 - keep).item(), rel=1e-2, abs=1e-3)
+        assert (values.abs() > t).float().mean().item() == pytest.approx(keep, abs=0.01)
+    mask = torch.tensor([[True, False, False], [False, False, True]])
+    assert union_ids(mask).tolist() == [0, 2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    n=st.integers(2, 40),
+    k_frac=st.floats(0.05, 1.0),
+    gamma=st.floats(0.0, 1.0),
+)
+def test_cache_aware_selection_never_picks_fewer_residents(seed, n, k_frac, gamma) -> None:
+    """Re-weighting only lowers non-resident scores, so a cache-aware top-k contains at least as many
+    resident units as the plain top-k for the same cache state: hits per step can only rise."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, n, generator=g)
+    resident = torch.rand(n, generator=g) > 0.5
+    k = max(1, int(k_frac * n))
+    aware = topk_mask(cache_aware_scores(x, resident, gamma), k)[0]
+    plain = topk_mask(x.abs(), k)[0]
+    assert int((aware & resident).sum()) >= int((plain & resident).sum())
+
+
+# ---- each method's module against a per-token reimplementation -------------------------------
+
+
+def reference_mlp(module: SparseMLP, weights, x, resident_in, resident_out) -> torch.Tensor:
+    """The method's equations, one token at a time, on the dense weights (gate, up: [d_ff, d], down)."""
+    gate, up, down = weights
+    act = module.act
+    outs = []
+    for token in x:
+        if isinstance(module, DIPMLP) and module.method == "dip":
+            if module.input_threshold is not None:
+                keep_in = token.abs() > module.input_threshold
+            else:
+                c = resident_in.float()
+                scores = token.abs() * (c + module.gamma * (1 - c)) / token.abs().max()
+                keep_in = torch.zeros_like(token, dtype=torch.bool)
+                keep_in[scores.topk(module.k_in).indices] = True
+            xt = token * keep_in
+            h = (up @ xt) * act(gate @ xt)
+            c = resident_out.float()
+            scores = h.abs() * (c + module.gamma * (1 - c)) / h.abs().max()
+            keep = torch.zeros_like(h, dtype=torch.bool)
+            keep[scores.topk(module.k_out).indices] = True
+        elif module.method == "glu":
+            h = (up @ token) * act(gate @ token)
+            keep = torch.zeros_like(h, dtype=torch.bool)
+            keep[h.abs().topk(module.k_out).indices] = True
+        elif module.method == "up":
+            u = up @ token
+            keep = torch.zeros_like(u, dtype=torch.bool)
+            keep[u.abs().topk(module.k_out).indices] = True
+            h = u * act(gate @ token)
+        else:  # gate, cats
+            g = act(gate @ token)
+            if isinstance(module, CATSMLP):
+                keep = g.abs() > module.threshold
+            else:
+                keep = torch.zeros_like(g, dtype=torch.bool)
+                keep[g.abs().topk(module.k_out).indices] = True
+            h = g * (up @ token)
+        outs.append(down @ (h * keep))
+    return torch.stack(outs)
+
+
+def fake_calibration(store, d_model: int, d_ff: int, layers: int) -> None:
+    """Quantiles from standard-normal magnitudes: enough to give CATS and the thresholds real values."""
+    levels = torch.linspace(0, 1, 201, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    gate_q = torch.quantile(F.silu(torch.randn(20000, generator=g)).abs().double(), levels).tolist()
+    input_q = torch.quantile(torch.randn(20000, generator=g).abs().double(), levels).tolist()
+    Calibration(
+        content_sha256=store.content_sha256,
+        corpus="synthetic",
+        tokens=0,
+        input_quantiles=[input_q] * layers,
+        global_input_quantiles=input_q,
+        gate_quantiles=[gate_q] * layers,
+    ).save(store.path)
+
+
+@pytest.fixture
+def tiny_llama(make_tiny_checkpoint, tmp_path):
+    """(checkpoint dir, fp32 dense model, store path) for the tiny llama, with a synthetic calibration."""
+    path = make_tiny_checkpoint("llama", dtype=torch.float32)
+    store = flashlm.convert(path, tmp_path / "store", progress=False)
+    config = AutoModelForCausalLM.from_pretrained(path).config
+    fake_calibration(store, config.hidden_size, config.intermediate_size, config.num_hidden_layers)
+    return path, AutoModelForCausalLM.from_pretrained(path).eval(), store.path
+
+
+def load(path, store, cached: float = 0.5, **options) -> torch.nn.Module:
+    """The checkpoint patched with `options`, its caches holding about `cached` of every kind's units
+    beyond the working memory (tiny models' working memory dwarfs their weights, so % budgets mislead)."""
+    if not Path(store).exists():
+        flashlm.convert(path, store, progress=False)
+    kinds = method_class(options.get("method", "dense")).KINDS
+    opened = add_kinds(flashlm.Store.open(store), kinds, progress=False)
+    policy = options.get("policy", "lfu")
+    with pytest.raises(BudgetTooSmallError) as info:
+        FlashRuntime(opened, flashlm.FlashConfig(memory_budget=1, policy=policy), kinds)
+    units = sum(opened.row_file(0, k).rows * (opened.row_file(0, k).row_bytes + 8) for k in kinds)
+    budget = info.value.minimum_bytes + int(cached * units * opened.num_layers)
+    config = flashlm.FlashConfig(store=str(store), memory_budget=budget, **options)
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=config).eval()
+
+
+def dense_weights(model, layer: int):
+    mlp = model.model.layers[layer].mlp
+    return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"method": "dip", "density": 0.5},
+        {"method": "dip", "density": 0.6, "input_density": 0.5},
+        {"method": "dip", "density": 0.5, "cache_aware": 0.2},
+        {"method": "dip", "density": 0.5, "cache_aware": 0.0},
+        {"method": "dip", "density": 0.5, "threshold": "layer"},
+        {"method": "dip", "density": 0.5, "threshold": "global"},
+        {"method": "glu", "density": 0.5},
+        {"method": "gate", "density": 0.6},
+        {"method": "up", "density": 0.5},
+        {"method": "cats", "density": 0.5},
+    ],
+    ids=lambda o: "-".join(f"{v}" for v in o.values()),
+)
+def test_module_matches_its_equations(options, tiny_llama) -> None:
+    path, dense, store = tiny_llama
+    model = load(path, store, **options)
+    module = streaming_mlps(model)[0]
+    weights = dense_weights(dense, 0)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for tokens in (1, 1, 4, 1):  # decode steps, then a batch of tokens, then decode again
+            x = torch.randn(tokens, module.d_model, generator=g)
+            resident_in = module.input_cache.slot_of >= 0
+            resident_out = module.output_cache.slot_of >= 0
+            expected = reference_mlp(module, weights, x, resident_in.clone(), resident_out.clone())
+            torch.testing.assert_close(module(x[None])[0], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "options", [{"method": "dip"}, {"method": "dip", "cache_aware": 0.2}, {"method": "glu"}]
+)
+def test_density_one_is_the_dense_model(options, tiny_llama) -> None:
+    path, dense, store = tiny_llama
+    model = load(path, store, density=1.0, **options)
+    ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, dense(ids).logits, rtol=1e-5, atol=1e-5)
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(model.generate(ids, **kwargs), dense.generate(ids, **kwargs))
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"method": "dip", "density": 0.5, "input_density": 0.5}, 0.5),
+        ({"method": "dip", "density": 0.4, "input_density": 0.3}, 0.4),
+        ({"method": "gate", "density": 0.5}, 0.5),
+        ({"method": "up", "density": 0.6}, 0.6),
+        ({"method": "glu", "density": 0.5}, 2 / 3 + 0.5 / 3),  # the oracle reads all of up and gate
+    ],
+)
+def test_achieved_density_equals_target(options, expected, tiny_llama) -> None:
+    path, _, store = tiny_llama
+    model = load(path, store, **options)
+    ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(5))
+    model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    stats = flashlm.stats(model)
+    # unit counts are rounded: 64 inputs, 96 intermediate units in the tiny llama
+    assert stats.density() == pytest.approx(expected, abs=1.5 / 64)
+    assert stats.density(decode_only=True) == pytest.approx(expected, abs=1.5 / 64)
+
+
+def test_cats_density_follows_its_calibrated_threshold(tiny_llama) -> None:
+    path, _, store = tiny_llama
+    model = load(path, store, method="cats", density=0.6)
+    module = streaming_mlps(model)[0]
+    # the synthetic calibration is SiLU of a standard normal: the threshold keeps ρ = 0.4 of it
+    samples = F.silu(torch.randn(200_000, generator=torch.Generator().manual_seed(9))).abs()
+    assert (samples > module.threshold).float().mean().item() == pytest.approx(0.4, abs=0.02)
+
+
+def test_sequential_prefill_equals_decoding_token_by_token(tiny_llama) -> None:
+    """With `sequential_prefill`, a T-token forward is T decode steps: same logits, same cache state."""
+    path, _, store = tiny_llama
+    options = {"method": "dip", "density": 0.5, "cache_aware": 0.2, "cached": 0.4}
+    batched = load(path, store, sequential_prefill=True, **options)
+    stepped = load(path, store, **options)
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        logits = batched(ids).logits[0]
+        past, step_logits = None, []
+        for t in range(ids.shape[1]):
+            out = stepped(ids[:, t : t + 1], past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            step_logits.append(out.logits[0, -1])
+    torch.testing.assert_close(logits, torch.stack(step_logits), rtol=1e-4, atol=1e-5)
+    for a, b in zip(streaming_mlps(batched), streaming_mlps(stepped), strict=True):
+        for cache_a, cache_b in zip(a.caches(), b.caches(), strict=True):
+            assert torch.equal(cache_a.slot_of >= 0, cache_b.slot_of >= 0)
+            assert (cache_a.hits, cache_a.misses) == (cache_b.hits, cache_b.misses)
+
+
+def test_cache_aware_masking_raises_the_hit_rate(tiny_llama) -> None:
+    path, _, store = tiny_llama
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(7))
+    hit_rates = {}
+    for gamma in (1.0, 0.2):
+        model = load(path, store, cached=0.35, method="dip", density=0.5, cache_aware=gamma)
+        model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
+        hit_rates[gamma] = flashlm.stats(model).totals(decode_only=True)["hit_rate"]
+    assert hit_rates[0.2] > hit_rates[1.0]
+
+
+@pytest.mark.parametrize("method", SPARSE_METHODS)
+def test_generate_greedy_and_sampling(method, tiny_llama) -> None:
+    path, _, store = tiny_llama
+    model = load(path, store, method=method, density=0.6)
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(8))
+    greedy = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert greedy.shape == (2, 13)
+    torch.manual_seed(0)
+    first = model.generate(ids, max_new_tokens=6, do_sample=True, pad_token_id=0)
+    torch.manual_seed(0)
+    again = model.generate(ids, max_new_tokens=6, do_sample=True, pad_token_id=0)
+    assert torch.equal(first, again)
+
+
+def test_policies_and_no_cache(tiny_llama) -> None:
+    path, _, store = tiny_llama
+    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(10))
+    for policy in ("lfu", "lru", "window", "none"):
+        model = load(path, store, method="dip", density=0.5, cache_aware=0.2, policy=policy)
+        model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        totals = flashlm.stats(model).totals(decode_only=True)
+        if policy == "none":
+            assert all(c.capacity == 0 for m in streaming_mlps(model) for c in m.caches())
+            assert totals["hits"] == 0
+        else:
+            assert totals["hits"] > 0
+
+
+# ---- bad configs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"method": "dip", "density": 0.0}, "density must be in"),
+        ({"method": "dip", "density": 1.2}, "density must be in"),
+        ({"method": "dip", "density": 0.5, "cache_aware": 1.5}, "cache_aware"),
+        ({"method": "dip", "density": 0.5, "cache_aware": -0.1}, "cache_aware"),
+        ({"method": "up", "density": 0.5, "cache_aware": 0.2}, "method='dip' only"),
+        ({"method": "dip", "density": 0.3, "input_density": 0.9}, "down density"),
+        ({"method": "gate", "density": 0.3}, "above 1/3"),
+        ({"method": "dip", "density": 0.5, "threshold": "row"}, "Unknown threshold"),
+        ({"method": "dip", "density": 0.5, "threshold": "layer", "cache_aware": 0.2}, "threshold='token'"),
+        ({"method": "sparse"}, "Unknown method"),
+    ],
+)
+def test_bad_configs_raise(options, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        flashlm.FlashConfig(**options)
+
+
+def test_gated_method_on_a_plain_mlp_raises(make_tiny_checkpoint, tmp_path) -> None:
+    path = make_tiny_checkpoint("opt", dtype=torch.float32)
+    config = flashlm.FlashConfig(method="dip", density=0.5, store=str(tmp_path / "store"))
+    with pytest.raises(ConfigError, match="not gated"):
+        AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
+    model = build_tiny_model("opt")
+    with pytest.raises(ConfigError, match="not gated"):
+        flashlm.patch(model, flashlm.FlashConfig(method="up", density=0.5, store=str(tmp_path / "s2")))
+
+
+def test_thresholds_without_calibration_raise(make_tiny_checkpoint, tmp_path) -> None:
+    path = make_tiny_checkpoint("llama", dtype=torch.float32)
+    config = flashlm.FlashConfig(
+        method="cats", density=0.5, store=str(tmp_path / "store"), memory_budget="10MB"
+    )
+    with pytest.raises(flashlm.calibration.CalibrationMissingError, match="flashlm calibrate"):
+        AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
