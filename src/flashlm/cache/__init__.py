@@ -3,6 +3,7 @@
 from .budget import BudgetPlan, split_budget
 from .neuron_cache import NeuronCache
 from .policies import (
+    BeladyPolicy,
     EvictionPolicy,
     LFUPolicy,
     LRUPolicy,
@@ -14,6 +15,7 @@ from .policies import (
 )
 
 __all__ = [
+    "BeladyPolicy",
     "BudgetPlan",
     "EvictionPolicy",
     "LFUPolicy",

@@ -13,9 +13,10 @@ them with the model, and `state_dict()` does not carry them (they describe one r
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ClassVar, TypeVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -185,3 +186,104 @@ class WindowPolicy(EvictionPolicy):
 
     def extra_repr(self) -> str:
         return f"num_units={self.num_units}, window={self.window}"
+
+
+@register_policy("belady")
+class BeladyPolicy(EvictionPolicy):
+    """Belady's MIN (1966), the offline oracle: keep the units needed soonest (DIP §5.1, §6.4).
+
+    It is given the future: `requests[s]` are the unit ids step `s` needs (a trace's
+    `requests(layer, kind)`). A unit's priority is minus the step it is next needed at, so sooner
+    is worth more and a unit never needed again (`NEVER`) is worth least. Under `NeuronCache`'s
+    admission rule (a miss enters only if strictly better than the weakest resident) this is MIN
+    with bypass: after each step the cache holds the `capacity` units, among its residents and the
+    units just read, that are needed soonest; that is optimal in misses, one unit or many per step.
+
+    Steps passed to `record` must be the indices into `requests`. For offline replay only
+    (`flashlm.sim.replay`): `FlashConfig` does not accept it. Without `requests` it knows no
+    future and every unit is worth the same (never needed).
+
+    State: `next_use` (in `STATE`, counted by `state_bytes`). The future itself is input, not
+    state, and `state_bytes` does not count it: `use_keys` (a buffer, one int64 per (unit, step)
+    use, sorted) answers any `record`, and when `record` gets exactly `requests[step]` (as in a
+    replay) a per-step table of precomputed next uses answers it without a search.
+    """
+
+    NEVER: ClassVar[int] = 2**62
+    """`next_use` of a unit no later step needs."""
+
+    STATE = {"next_use": NEVER}
+    next_use: torch.Tensor
+    use_keys: torch.Tensor
+
+    def __init__(self, num_units: int, requests: Sequence[torch.Tensor] | None = None) -> None:
+        super().__init__(num_units)
+        steps = [
+            torch.unique(torch.as_tensor(ids).reshape(-1).to("cpu", STATE_DTYPE)) for ids in requests or ()
+        ]
+        for step, ids in enumerate(steps):
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_units):
+                raise ConfigError(
+                    f"Belady: step {step} requests unit ids outside 0..{num_units - 1} "
+                    f"(min {int(ids.min())}, max {int(ids.max())})."
+                )
+        self.num_steps = len(steps)
+        # A use of unit u at step s is the key u * (num_steps + 1) + s: sorted keys run by unit,
+        # then step, so a key's successor is the same unit's next use if it is the same unit.
+        counts = [ids.numel() for ids in steps]
+        keys = torch.cat([ids * self._stride + s for s, ids in enumerate(steps)]) if steps else None
+        if keys is None or keys.numel() == 0:
+            self.register_buffer("use_keys", torch.empty(0, dtype=STATE_DTYPE), persistent=False)
+            self._steps: list[torch.Tensor] = steps
+            self._next_after: list[torch.Tensor] = [torch.full_like(ids, self.NEVER) for ids in steps]
+        else:
+            # numpy's sort is an order of magnitude faster than torch's on CPU here; keys are unique.
+            order = torch.from_numpy(np.argsort(keys.numpy()))
+            sorted_keys = keys[order]
+            unit, step = sorted_keys // self._stride, sorted_keys % self._stride
+            following = torch.full_like(sorted_keys, self.NEVER)
+            same = unit[1:] == unit[:-1]
+            following[:-1] = torch.where(same, step[1:], following[:-1])
+            next_after = torch.empty_like(following)
+            next_after[order] = following
+            self.register_buffer("use_keys", sorted_keys, persistent=False)
+            self._steps = steps
+            self._next_after = list(torch.split(next_after, counts))
+        self.reset()
+
+    @property
+    def _stride(self) -> int:
+        return self.num_steps + 1
+
+    def _next_use_after(self, ids: torch.Tensor, step: int) -> torch.Tensor:
+        """The first step after `step` that needs each unit of `ids`, `NEVER` if none (a search)."""
+        ids = ids.to(device=self.use_keys.device, dtype=STATE_DTYPE)
+        if self.use_keys.numel() == 0:
+            return torch.full_like(ids, self.NEVER)
+        base = ids * self._stride
+        at = torch.searchsorted(self.use_keys, base + step, right=True)
+        found = self.use_keys[at.clamp(max=self.use_keys.numel() - 1)]
+        # The key found belongs to the same unit only if it is below the next unit's first key.
+        ahead = (at < self.use_keys.numel()) & (found < base + self._stride)
+        return torch.where(ahead, found - base, torch.full_like(ids, self.NEVER))
+
+    def reset(self) -> None:
+        """Back to the start of the future: every unit's next use is its first."""
+        super().reset()
+        if hasattr(self, "use_keys"):
+            all_ids = torch.arange(self.num_units, device=self.next_use.device)
+            self.next_use.copy_(self._next_use_after(all_ids, -1))
+
+    def record(self, ids: torch.Tensor, step: int) -> None:
+        if 0 <= step < self.num_steps:
+            planned = self._steps[step]
+            if ids.device == planned.device and ids.shape == planned.shape and torch.equal(ids, planned):
+                self.next_use[ids] = self._next_after[step].to(self.next_use.device)
+                return
+        self.next_use[ids] = self._next_use_after(ids, step).to(self.next_use.device)
+
+    def priority(self, ids: torch.Tensor) -> torch.Tensor:
+        return -self.next_use[ids]
+
+    def extra_repr(self) -> str:
+        return f"num_units={self.num_units}, num_steps={self.num_steps}"

@@ -26,6 +26,7 @@ then each stage reads its whole matrix once and replays the cache token by token
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from time import perf_counter
@@ -400,7 +401,7 @@ def build_sparse_mlp(
     density = config.density
     common = {"d_model": store.d_model, "d_ff": store.d_ff, "dense_class": dense_class}
     if config.method == "dip":
-        rho_in, rho_out = dip_split(config, calibration)
+        rho_in, rho_out = dip_split(config, calibration, store.path)
         threshold = None
         if config.threshold != "token":
             calibration = _require(calibration, f"threshold={config.threshold!r}")
@@ -431,7 +432,9 @@ def build_sparse_mlp(
     return cls(layer, runtime, act, k_out=k_out, **common)
 
 
-def dip_split(config: FlashConfig, calibration: Calibration | None) -> tuple[float, float]:
+def dip_split(
+    config: FlashConfig, calibration: Calibration | None, store_path: object = ""
+) -> tuple[float, float]:
     """(ρ_in, ρ_down) for DIP: explicit, calibrated (the Pareto fit), or equal without a calibration."""
     density = config.density
     if config.input_density is not None:
@@ -439,12 +442,19 @@ def dip_split(config: FlashConfig, calibration: Calibration | None) -> tuple[flo
     if calibration is not None and calibration.split_fit is not None:
         return calibration.split(density)
     if density < 1:
-        logger.warning(
-            "flashlm: no calibrated DIP density split for this store; using ρ_in = ρ_down = %.3f. "
-            "Run `flashlm calibrate` once to fit the Pareto-optimal split (DIP paper, appendix B.1).",
-            density,
-        )
+        _warn_uncalibrated(str(store_path), density)
     return density, density
+
+
+@functools.lru_cache(maxsize=64)
+def _warn_uncalibrated(store: str, density: float) -> None:
+    """Once per store and density, not once per layer."""
+    logger.warning(
+        "flashlm: no calibrated DIP density split for the store %s; using ρ_in = ρ_down = %.3f. Run "
+        "`flashlm calibrate` once to fit the Pareto-optimal split (DIP paper, appendix B.1).",
+        store,
+        density,
+    )
 
 
 def _require(calibration: Calibration | None, what: str) -> Calibration:
