@@ -19,7 +19,7 @@ def test_convert_then_info(make_tiny_checkpoint, tmp_path, capsys):
 
     assert main(["info", str(tmp_path / "store")]) == 0
     text = capsys.readouterr().out
-    assert "llama: 2 layers" in text and "kind bundle" in text and "kind dip_in" in text
+    assert "llama: 2 layers" in text and "kind bundle" in text
 
     assert main(["info", str(tmp_path / "store"), "--json"]) == 0
     manifest = json.loads(capsys.readouterr().out)
@@ -51,3 +51,103 @@ def test_generate_prints_text_and_per_token_stats(smollm2_dir, tmp_path, capsys)
     step_lines = [line for line in out.splitlines() if re.match(r"^\s*\d+\s+\d+\s+[\d.]+ [kMG]?B\s", line)]
     assert len(step_lines) == 4  # the prefill step, then one per generated token
     assert "hit rate" in out and "reads direct" in out
+
+
+# ---- eval ppl / eval sweep ----------------------------------------------------------------------
+
+
+def _tiny_with_tokenizer(make_tiny_checkpoint, tmp_path):
+    """A copy of the tiny llama checkpoint with a word-level tokenizer whose ids fit its vocabulary."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path / "tiny"
+    shutil.copytree(make_tiny_checkpoint("llama", dtype=torch.float32), path)
+    words = "the and to of I you a my in is that not me it his with be your this he for have"
+    vocab = {token: i for i, token in enumerate(["[UNK]", *words.split(), *".,;:!?'"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(path)
+    return path
+
+
+def test_eval_help(capsys):
+    for command in (["eval", "ppl", "--help"], ["eval", "sweep", "--help"]):
+        with pytest.raises(SystemExit) as info:
+            main(command)
+        assert info.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--corpus", "--context-length", "--tokens", "--json", "--cache-aware", "--threshold"):
+        assert option in out
+    assert "dip-ca" in out and "--methods" in out and "--densities" in out and "--corpora" in out
+
+
+def test_runtime_options_map_to_flash_config():
+    from flashlm.cli import _config, build_parser
+
+    args = build_parser().parse_args(
+        ["generate", "--method", "dip-ca", "--density", "0.5", "--policy", "none"]
+    )
+    config = _config(args)
+    assert (config.method, config.cache_aware, config.density, config.policy) == ("dip", 0.2, 0.5, "none")
+    args = build_parser().parse_args(
+        ["generate", "--method", "dip-ca", "--cache-aware", "0.1", "--density", "0.5"]
+    )
+    assert _config(args).cache_aware == 0.1
+    args = build_parser().parse_args(
+        ["generate", "--method", "dip", "--threshold", "layer", "--input-density", "0.5", "--density", "0.5"]
+    )
+    config = _config(args)
+    assert (config.threshold, config.input_density, config.policy) == ("layer", 0.5, "lfu")
+
+
+def test_eval_errors_exit_2(make_tiny_checkpoint, capsys):
+    path = str(make_tiny_checkpoint("llama", dtype=torch.float32))
+    assert main(["eval", "ppl", "--model", path, "--method", "sparse"]) == 2
+    assert "dip-ca" in capsys.readouterr().err
+    assert main(["eval", "ppl", "--model", path, "--corpus", "wikitext"]) == 2
+    assert "Available corpora" in capsys.readouterr().err
+    assert main(["eval", "ppl", "--model", path, "--tokens", "100", "--context-length", "128"]) == 2
+    assert "--tokens" in capsys.readouterr().err
+    assert main(["eval", "sweep", "--model", path, "--methods", "dense,nope"]) == 2
+    with pytest.raises(SystemExit):
+        main(["eval", "ppl", "--context-length", "1"])
+
+
+def test_eval_ppl_and_sweep_end_to_end(make_tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    from flashlm.eval import corpora
+
+    head = corpora.corpus_text("shakespeare")[:100_000]  # tokenizing all of it takes seconds
+    monkeypatch.setitem(corpora._READERS, "shakespeare", lambda: head)
+    model = str(_tiny_with_tokenizer(make_tiny_checkpoint, tmp_path))
+    common = ["--model", model, "--tokens", "256", "--context-length", "64", "--dtype", "float32"]
+    store = ["--store", str(tmp_path / "store"), "--memory-budget", "10MB"]
+    assert main(["eval", "ppl", *common, *store, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["corpus"] == "shakespeare" and record["method"] == "dense"
+    assert record["windows"] == 4 and record["tokens"] == 4 * 63 and record["mlp_density"] == 1.0
+    assert record["perplexity"] > 1
+
+    assert main(["eval", "ppl", *common, *store, "--policy", "lru"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"perplexity\s+\d", out) and re.search(r"MLP density\s+100\.0%", out)
+    assert "tokens/s" in out
+
+    out_dir = tmp_path / "sweep"
+    argv = ["eval", "sweep", *common, *store, "--methods", "dense", "--corpora", "shakespeare"]
+    assert main([*argv, "--densities", "0.5", "--out", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "shakespeare" in out and f"wrote {out_dir / 'sweep.csv'}" in out
+    assert (out_dir / "sweep.csv").is_file() and (out_dir / "ppl_vs_density.png").is_file()
+
+
+@pytest.mark.slow
+def test_eval_ppl_on_smollm2(smollm2_dir, tmp_path, capsys):
+    argv = ["eval", "ppl", "--model", str(smollm2_dir), "--tokens", "256", "--context-length", "128"]
+    assert main([*argv, "--store", str(tmp_path / "store"), "--memory-budget", "25%", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["windows"] == 2 and record["tokens"] == 2 * 127
+    assert 2 < record["perplexity"] < 500 and record["mlp_density"] == pytest.approx(1.0)
+    assert record["bytes_read"] > 0 and 0 <= record["hit_rate"] <= 1

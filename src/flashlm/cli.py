@@ -1,4 +1,4 @@
-"""`flashlm` command line: convert, info, generate."""
+"""`flashlm` command line: convert, info, generate, eval ppl, eval sweep."""
 
 from __future__ import annotations
 
@@ -11,11 +11,39 @@ from pathlib import Path
 
 from ._utils import format_bytes
 
+METHOD_HELP = (
+    "what each MLP does, a method spec: dense (default), dip, dip-ca (DIP-CA, γ 0.2), dip-ca:GAMMA, "
+    "dip-layer, dip-global, glu, gate, up, cats"
+)
 
-def _add_runtime_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--method", default="dense", help="what each MLP does (default: dense)")
+
+def _add_method_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--method", default="dense", help=METHOD_HELP)
     parser.add_argument("--density", type=float, default=1.0, help="target MLP density in (0, 1]")
-    parser.add_argument("--policy", default="lru", help="cache policy: lru, lfu or window")
+    parser.add_argument(
+        "--input-density", type=float, default=None, help="dip: fraction of input columns kept for up/gate"
+    )
+    parser.add_argument(
+        "--cache-aware",
+        type=float,
+        default=None,
+        metavar="GAMMA",
+        help="dip: γ of cache-aware masking in [0, 1] (1 = plain DIP; dip-ca sets 0.2)",
+    )
+    parser.add_argument(
+        "--threshold", choices=("token", "layer", "global"), default=None, help="dip: how inputs are picked"
+    )
+
+
+def _add_runtime_options(parser: argparse.ArgumentParser, *, method: bool = True) -> None:
+    if method:
+        _add_method_options(parser)
+    parser.add_argument(
+        "--policy",
+        default="lfu",
+        choices=("lfu", "lru", "window", "none"),
+        help="cache policy: lfu (default), lru, window or none",
+    )
     parser.add_argument(
         "--memory-budget", default=None, help="cache budget: bytes, '512MB' or '50%%' of MLP bytes"
     )
@@ -24,17 +52,35 @@ def _add_runtime_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--io-threads", type=int, default=None, help="reader threads")
 
 
+def _method_options(args: argparse.Namespace) -> dict:
+    """FlashConfig options given by --cache-aware, --threshold, --input-density (those present)."""
+    options = {
+        "cache_aware": args.cache_aware,
+        "threshold": args.threshold,
+        "input_density": args.input_density,
+    }
+    return {name: value for name, value in options.items() if value is not None}
+
+
+def _io_options(args: argparse.Namespace) -> dict:
+    return {
+        "policy": args.policy,
+        "direct_io": False if args.no_direct_io else None,
+        "io_threads": args.io_threads,
+    }
+
+
 def _config(args: argparse.Namespace):
     from .config import FlashConfig
+    from .eval.perplexity import parse_method_spec
 
+    options = {**parse_method_spec(args.method), **_method_options(args)}
     return FlashConfig(
-        method=args.method,
         density=args.density,
-        policy=args.policy,
         memory_budget=args.memory_budget,
         store=args.store,
-        direct_io=False if args.no_direct_io else None,
-        io_threads=args.io_threads,
+        **options,
+        **_io_options(args),
     )
 
 
@@ -120,6 +166,150 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _densities(text: str) -> list[float]:
+    try:
+        return [float(item) for item in _list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _check_windows(args: argparse.Namespace) -> None:
+    from .errors import ConfigError
+
+    if args.tokens < args.context_length:
+        raise ConfigError(
+            f"--tokens {args.tokens} is shorter than one window (--context-length {args.context_length})."
+        )
+
+
+def _finite(value):
+    """JSON has no NaN: None instead."""
+    return None if isinstance(value, float) and value != value else value
+
+
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    import torch
+
+    from .eval.perplexity import evaluate, parse_method_spec
+    from .models import default_model_path
+
+    parse_method_spec(args.method)
+    _check_windows(args)
+    model_path = Path(args.model) if args.model else default_model_path()
+    result = evaluate(
+        model_path,
+        args.corpus,
+        method_spec=args.method,
+        density=args.density,
+        context_length=args.context_length,
+        num_tokens=args.tokens,
+        memory_budget=args.memory_budget,
+        store=args.store,
+        dtype=getattr(torch, args.dtype),
+        progress=not args.json,
+        **_method_options(args),
+        **_io_options(args),
+    )
+    if args.json:
+        record = {
+            "model": str(model_path),
+            "corpus": args.corpus,
+            "method": args.method,
+            "target_density": args.density,
+            **result.to_dict(),
+        }
+        print(json.dumps({key: _finite(value) for key, value in record.items()}, indent=2))
+        return 0
+    print(f"model        {model_path.name}")
+    print(f"corpus       {args.corpus} (test split)")
+    print(f"method       {args.method}, target density {args.density:g}")
+    print(f"perplexity   {result.perplexity:.4f}")
+    print(f"MLP density  {result.mlp_density:.1%}")
+    print(f"tokens       {result.tokens} predicted in {result.windows} windows of {result.context_length}")
+    print(f"tokens/s     {result.tokens_per_second:.1f} ({result.seconds:.1f} s)")
+    print(
+        f"I/O          {format_bytes(result.bytes_read_per_token)} read per token, "
+        f"hit rate {result.hit_rate:.1%}"
+    )
+    return 0
+
+
+def cmd_eval_sweep(args: argparse.Namespace) -> int:
+    import torch
+
+    from .eval.perplexity import parse_method_spec
+    from .eval.sweep import CSV_NAME, PLOT_NAME, sweep
+    from .models import default_model_path
+
+    for spec in args.methods:
+        parse_method_spec(spec)
+    _check_windows(args)
+    model_path = Path(args.model) if args.model else default_model_path()
+    rows = sweep(
+        model_path,
+        methods=args.methods,
+        densities=args.densities,
+        corpora=args.corpora,
+        context_length=args.context_length,
+        num_tokens=args.tokens,
+        memory_budget=args.memory_budget,
+        store=args.store,
+        out_dir=args.out,
+        dtype=getattr(torch, args.dtype),
+        **_io_options(args),
+    )
+    print(
+        f"{'corpus':<18} {'method':<12} {'target':>6} {'density':>8} {'perplexity':>11} {'tok/s':>8} "
+        f"{'read/token':>11} {'hit rate':>8}"
+    )
+    for row in rows:
+        print(
+            f"{row['corpus']:<18} {row['method']:<12} {row['target_density']:>6.2f} "
+            f"{row['mlp_density']:>8.1%} "
+            f"{row['perplexity']:>11.4f} {row['tokens_per_second']:>8.1f} "
+            f"{format_bytes(row['bytes_read_per_token']):>11} {row['hit_rate']:>8.1%}"
+        )
+    print(f"wrote {Path(args.out) / CSV_NAME}")
+    print(f"wrote {Path(args.out) / PLOT_NAME}")
+    return 0
+
+
+def _add_eval_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--context-length", type=_int_at_least(2), default=512, help="tokens per window (default: 512)"
+    )
+    parser.add_argument(
+        "--tokens",
+        type=_int_at_least(2),
+        default=4096,
+        help="tokens of the test split to use (default: 4096)",
+    )
+    parser.add_argument(
+        "--dtype", choices=_DTYPES, default="bfloat16", help="model dtype (default: bfloat16)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashlm", description="Run language models larger than memory.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -149,6 +339,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_runtime_options(generate)
     generate.set_defaults(func=cmd_generate)
+
+    evaluation = sub.add_parser("eval", help="perplexity on offline corpora")
+    eval_sub = evaluation.add_subparsers(dest="eval_command", required=True)
+    ppl = eval_sub.add_parser(
+        "ppl", help="perplexity of one configuration on a corpus's test split, with its MLP density"
+    )
+    ppl.add_argument(
+        "--corpus", default="shakespeare", help="shakespeare (default), jargon or debian-reference"
+    )
+    _add_eval_options(ppl)
+    ppl.add_argument("--json", action="store_true", help="print the result as JSON")
+    _add_runtime_options(ppl)
+    ppl.set_defaults(func=cmd_eval_ppl)
+
+    sweep = eval_sub.add_parser(
+        "sweep", help="perplexity over corpora x methods x densities: a CSV and a perplexity-vs-density plot"
+    )
+    sweep.add_argument(
+        "--methods", type=_list, default=["dense", "dip", "dip-ca"], help="comma-separated method specs"
+    )
+    sweep.add_argument(
+        "--densities", type=_densities, default=[0.4, 0.5, 0.6], help="comma-separated target densities"
+    )
+    sweep.add_argument("--corpora", type=_list, default=["shakespeare"], help="comma-separated corpus names")
+    sweep.add_argument("--out", default="eval-results", help="output directory (default: eval-results)")
+    _add_eval_options(sweep)
+    _add_runtime_options(sweep, method=False)
+    sweep.set_defaults(func=cmd_eval_sweep)
     return parser
 
 

@@ -41,3 +41,7 @@ class BudgetTooSmallError(FlashLMError, ValueError):
 
 class CacheDirError(FlashLMError, OSError):
     """flashlm's cache directory cannot be created or written."""
+
+
+class CorpusNotFoundError(FlashLMError, FileNotFoundError):
+    """An evaluation corpus is unknown, or the package that carries its text is not installed."""

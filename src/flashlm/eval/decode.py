@@ -1,0 +1,201 @@
+"""Decode throughput of one configuration, measured alone in a subprocess (so peak RSS is its own).
+
+A configuration is a dict: `{"name": ..., "kind": "ram" | "accelerate-cold" | "accelerate-warm" |
+"flashlm", "options": {FlashConfig options}}`. Every configuration runs the same prompt through the
+same greedy loop: one prefill forward, then one forward per new token, each timed alone.
+
+- `ram`: plain transformers, everything in memory.
+- `accelerate-cold`: the MLPs offloaded to disk with Accelerate (`device_map` + `offload_folder`);
+  the page cache is dropped before every decode step, outside the timed region, so the weights
+  really come from the disk (needs root). Without it a small model never leaves the page cache.
+- `accelerate-warm`: the same, page cache left alone (reference only: it reads from RAM).
+- `flashlm`: `from_pretrained(..., quantization_config=FlashConfig(**options))`, O_DIRECT reads.
+
+Bytes read per token come from `/proc/self/io` read_bytes (what the process really fetched from
+storage) and, for flashlm, from the reader's own counter.
+
+    python -m flashlm.eval.decode --spec '{"name": "ram", "kind": "ram"}' --model DIR --new-tokens 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden screw press. Explain why this mattered."
+)
+REGIMES = {
+    "ram": "in RAM",
+    "accelerate-cold": "cold (page cache dropped every step)",
+    "accelerate-warm": "warm (page cache kept; reference)",
+}
+
+
+def proc_read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+
+
+def drop_page_cache() -> None:
+    """Write back and drop the page cache (root only): the next reads come from the disk."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("1\n")
+
+
+def mlp_disk_device_map(model_path: Path) -> dict[str, str]:
+    """Every MLP on 'disk', everything else on 'cpu', keyed by the modules that hold parameters."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..arch import find_mlps, model_type_of, spec_for
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    mlp_names = [name for _, name, _ in find_mlps(model, spec_for(model_type_of(config)))]
+    device_map = {name: "disk" for name in mlp_names}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        module = name.rsplit(".", 1)[0]
+        if not any(module == m or module.startswith(m + ".") for m in mlp_names):
+            device_map[module] = "cpu"
+    return device_map
+
+
+def _load(spec: dict[str, Any], model_path: Path, offload_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    from ..config import FlashConfig
+
+    kind = spec["kind"]
+    if kind == "ram":
+        return AutoModelForCausalLM.from_pretrained(model_path)
+    if kind.startswith("accelerate"):
+        return AutoModelForCausalLM.from_pretrained(
+            model_path, device_map=mlp_disk_device_map(model_path), offload_folder=str(offload_dir)
+        )
+    return AutoModelForCausalLM.from_pretrained(
+        model_path, quantization_config=FlashConfig(**spec["options"])
+    )
+
+
+def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, offload_dir: Path) -> dict:
+    """Load `spec`, prefill the prompt, decode `new_tokens` greedily; the measurements as a dict."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from ..patching import stats, streaming_mlps
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    started = time.perf_counter()
+    model = _load(spec, model_path, offload_dir)
+    load_s = time.perf_counter() - started
+    cold = spec["kind"] == "accelerate-cold"
+    patched = bool(streaming_mlps(model))
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+
+    tokens, step_s, step_bytes = [], [], []
+    with torch.inference_mode():
+        if cold:
+            drop_page_cache()
+        started = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True)
+        prefill_s = time.perf_counter() - started
+        if patched:
+            stats(model, reset=True)
+        for _ in range(new_tokens):
+            next_token = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(int(next_token))
+            if cold:
+                drop_page_cache()
+            read_before = proc_read_bytes()
+            started = time.perf_counter()
+            out = model(input_ids=next_token, past_key_values=out.past_key_values, use_cache=True)
+            step_s.append(time.perf_counter() - started)
+            step_bytes.append(proc_read_bytes() - read_before)
+    result = {
+        "config": spec["name"],
+        "kind": spec["kind"],
+        "options": spec.get("options", {}),
+        "regime": REGIMES.get(spec["kind"], ""),
+        "load_s": load_s,
+        "prompt_tokens": int(ids.shape[1]),
+        "prefill_s": prefill_s,
+        "decode_tok_s": len(step_s) / sum(step_s),
+        "proc_read_bytes_per_token": sum(step_bytes) / len(step_bytes),
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "tokens": tokens,
+    }
+    if patched:
+        snapshot = stats(model)
+        totals = snapshot.totals()
+        result.update(
+            regime=snapshot.io_mode,
+            reader_bytes_per_token=totals["bytes_read_per_step"],
+            reads_per_token=totals["reads_per_step"],
+            hit_rate=totals["hit_rate"],
+            mlp_density=totals["density"],
+            io_ms=1e3 * totals["io_s_per_step"],
+            cache_ms=1e3 * totals["cache_s_per_step"],
+            compute_ms=1e3 * totals["compute_s_per_step"],
+            resident_bytes=snapshot.resident_bytes,
+            budget_bytes=snapshot.budget_bytes,
+        )
+    return result
+
+
+def run_in_subprocess(spec: dict[str, Any], model_path: Path, *, new_tokens: int, offload_dir: Path) -> dict:
+    """`measure_decode` in a fresh Python process; raises RuntimeError with its output if it fails."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "flashlm.eval.decode",
+        "--spec",
+        json.dumps(spec),
+        "--model",
+        str(model_path),
+        "--new-tokens",
+        str(new_tokens),
+        "--offload-dir",
+        str(offload_dir),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        raise RuntimeError(
+            f"configuration {spec['name']} failed (exit {proc.returncode}):\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--spec", required=True, help="the configuration, as JSON")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--offload-dir", required=True)
+    args = parser.parse_args()
+    result = measure_decode(
+        json.loads(args.spec),
+        Path(args.model),
+        new_tokens=args.new_tokens,
+        offload_dir=Path(args.offload_dir),
+    )
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

