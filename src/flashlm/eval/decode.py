@@ -9,7 +9,9 @@ same greedy loop: one prefill forward, then one forward per new token, each time
   the page cache is dropped before every decode step, outside the timed region, so the weights
   really come from the disk (needs root). Without it a small model never leaves the page cache.
 - `accelerate-warm`: the same, page cache left alone (reference only: it reads from RAM).
-- `flashlm`: `from_pretrained(..., quantization_config=FlashConfig(**options))`, O_DIRECT reads.
+- `flashlm`: `from_pretrained(..., quantization_config=FlashConfig(**options))`, O_DIRECT reads;
+  with `"trace_path"` in the dict (and `record_trace` in the options) the units each layer used
+  are saved there (`flashlm.trace`).
 
 Bytes read per token come from `/proc/self/io` read_bytes (what the process really fetched from
 storage) and, for flashlm, from the reader's own counter.
@@ -93,7 +95,7 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
     import torch
     from transformers import AutoTokenizer
 
-    from ..patching import stats, streaming_mlps
+    from ..patching import stats, streaming_mlps, trace
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -101,7 +103,8 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
     model = _load(spec, model_path, offload_dir)
     load_s = time.perf_counter() - started
     cold = spec["kind"] == "accelerate-cold"
-    patched = bool(streaming_mlps(model))
+    modules = streaming_mlps(model)
+    patched = bool(modules)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
 
     tokens, step_s, step_bytes = [], [], []
@@ -150,7 +153,13 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
             compute_ms=1e3 * totals["compute_s_per_step"],
             resident_bytes=snapshot.resident_bytes,
             budget_bytes=snapshot.budget_bytes,
+            capacities={
+                f"{layer}/{kind}": c.capacity for (layer, kind), c in modules[0].runtime.caches.items()
+            },
         )
+        if spec.get("trace_path"):
+            trace(model).save(spec["trace_path"])
+            result["trace_path"] = spec["trace_path"]
     return result
 
 
