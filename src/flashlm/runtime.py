@@ -173,21 +173,21 @@ class FlashRuntime:
             buffer = 1 - fetched.buffer
         else:
             buffer = 0
-        return self._submit(layer, miss_ids, buffer).result()
+        return self.submit(layer, STREAMED_KIND, miss_ids, buffer).result()
 
     def prefetch(self, current: Fetch) -> None:
         """Start reading the next layer's misses into the staging buffer `current` does not use."""
         layer = (current.layer + 1) % self.num_layers
         cache = self.caches[(layer, STREAMED_KIND)]
         ids = self._unit_ids[: cache.num_units]
-        self._pending = self._submit(layer, ids[cache.slot_of[ids] < 0], 1 - current.buffer)
+        self._pending = self.submit(layer, STREAMED_KIND, ids[cache.slot_of[ids] < 0], 1 - current.buffer)
 
-    def _submit(self, layer: int, ids: torch.Tensor, buffer: int) -> Future[Fetch]:
-        """A read on the I/O thread, or, with nothing to read, a finished one without the thread hop."""
+    def submit(self, layer: int, kind: str, ids: torch.Tensor, buffer: int = 0) -> Future[Fetch]:
+        """`read` on the I/O thread, or, with nothing to read, a finished one without the thread hop."""
         if ids.numel():
-            return self._io.submit(self.read, layer, STREAMED_KIND, ids, buffer)
+            return self._io.submit(self.read, layer, kind, ids, buffer)
         done: Future[Fetch] = Future()
-        done.set_result(self.read(layer, STREAMED_KIND, ids, buffer))
+        done.set_result(self.read(layer, kind, ids, buffer))
         return done
 
     def drain(self) -> None:

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from time import perf_counter
 from typing import TYPE_CHECKING
@@ -44,11 +46,11 @@ from .masking import cache_aware_scores, threshold_mask, topk_mask, union_ids
 if TYPE_CHECKING:
     from ..calibration import Calibration
     from ..config import FlashConfig
-    from ..runtime import FlashRuntime
+    from ..runtime import Fetch, FlashRuntime
 
 logger = logging.getLogger(__name__)
 
-Parts = list[tuple[torch.Tensor, torch.Tensor]]
+Parts = Iterable[tuple[torch.Tensor, torch.Tensor]]
 """(rows, unit ids) pairs that together hold every unit a stage needs: cached rows and fresh reads."""
 
 
@@ -57,8 +59,40 @@ class _StageTimes:
     cache_s: float = 0.0
     io_s: float = 0.0
     compute_s: float = 0.0
+    io_busy_s: float = 0.0
     bytes_read: int = 0
     reads: int = 0
+
+
+class _Parts:
+    """A stage's rows: the cached ones at once, then the misses once their read (in flight) lands.
+
+    Computing over the cached rows first overlaps that work with the read.
+    """
+
+    def __init__(self, cached_rows, cached_ids, pending: Future[Fetch], miss_ids, times: _StageTimes) -> None:
+        self.cached = (cached_rows, cached_ids)
+        self.pending = pending
+        self.miss_ids = miss_ids
+        self.times = times
+        self._fetched: Fetch | None = None
+
+    @property
+    def fetched(self) -> Fetch:
+        if self._fetched is None:
+            waiting = perf_counter()
+            self._fetched = self.pending.result()
+            self.times.io_s += perf_counter() - waiting
+            self.times.io_busy_s += self._fetched.busy_s
+            self.times.bytes_read += self._fetched.bytes_read
+            self.times.reads += self._fetched.reads
+        return self._fetched
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.cached[1].numel():
+            yield self.cached
+        if self.miss_ids.numel():
+            yield self.fetched.rows, self.miss_ids
 
 
 class SparseMLP(FlashMLP):
@@ -140,17 +174,17 @@ class SparseMLP(FlashMLP):
         in_mask, in_parts, finish_in = self._stage(
             self.INPUT_KIND, self.input_cache, self.select_input, x, times, sequential
         )
-        started = perf_counter()
+        started, io_before = perf_counter(), times.io_s
         a = self.compute_input(x, in_mask, in_parts)
-        times.compute_s += perf_counter() - started
+        times.compute_s += perf_counter() - started - (times.io_s - io_before)
         finish_in()
 
         out_mask, out_parts, finish_out = self._stage(
             self.OUTPUT_KIND, self.output_cache, self.select_output, a, times, sequential
         )
-        started = perf_counter()
+        started, io_before = perf_counter(), times.io_s
         out = self.compute_output(x, a, out_mask, out_parts)
-        times.compute_s += perf_counter() - started
+        times.compute_s += perf_counter() - started - (times.io_s - io_before)
         finish_out()
 
         hits, misses, evictions = (now - then for now, then in zip(self.counters(), before, strict=True))
@@ -172,7 +206,7 @@ class SparseMLP(FlashMLP):
             used_bytes=used,
             dense_bytes=tokens * runtime.layer_mlp_bytes,
             io_s=times.io_s,
-            io_busy_s=times.io_s,
+            io_busy_s=times.io_busy_s,
             cache_s=times.cache_s,
             compute_s=times.compute_s,
         )
@@ -193,19 +227,13 @@ class SparseMLP(FlashMLP):
         mask = select(values, cache.slot_of >= 0)
         ids = torch.arange(cache.num_units) if mask is None else union_ids(mask)
         _, _, miss_ids = cache.lookup(ids)
-        looked_up = perf_counter()
-        fetched = runtime.read(layer, kind, miss_ids)
-        read_done = perf_counter()
-        times.cache_s += looked_up - started
-        times.io_s += read_done - looked_up
-        times.bytes_read += fetched.bytes_read
-        times.reads += fetched.reads
-        parts = [(cache.rows[: cache.size], cache.slot_ids[: cache.size]), (fetched.rows, miss_ids)]
-        parts = [(rows, part_ids) for rows, part_ids in parts if part_ids.numel()]
+        pending = runtime.submit(layer, kind, miss_ids)
+        times.cache_s += perf_counter() - started
+        parts = _Parts(cache.rows[: cache.size], cache.slot_ids[: cache.size], pending, miss_ids, times)
 
         def finish() -> None:
             updating = perf_counter()
-            cache.update(ids, miss_ids, fetched.rows, runtime.step_start)
+            cache.update(ids, miss_ids, parts.fetched.rows, runtime.step_start)
             if runtime.trace is not None:
                 runtime.trace.record(runtime.step_start, layer, kind, ids)
             times.cache_s += perf_counter() - updating
@@ -220,6 +248,7 @@ class SparseMLP(FlashMLP):
         fetched = runtime.read(layer, kind, all_ids)
         read_done = perf_counter()
         times.io_s += read_done - started
+        times.io_busy_s += fetched.busy_s
         times.bytes_read += fetched.bytes_read
         times.reads += fetched.reads
         depends = self._depends_on_cache()
@@ -259,13 +288,7 @@ class SparseMLP(FlashMLP):
     @staticmethod
     def _rows(x: torch.Tensor, parts: Parts, num_units: int) -> torch.Tensor:
         """`x @ W.T` where unit j is row j of W (an output row of the projection): placed by unit id."""
-        if (
-            len(parts) == 1
-            and parts[0][1].numel() == num_units
-            and bool((parts[0][1][1:] > parts[0][1][:-1]).all())
-        ):
-            return F.linear(x, parts[0][0].to(x.dtype))
-        out = x.new_zeros(x.shape[0], num_units)
+        out = x.new_empty(x.shape[0], num_units)
         for rows, ids in parts:
             out[:, ids] = F.linear(x, rows.to(x.dtype))
         return out
