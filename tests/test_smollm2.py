@@ -80,3 +80,39 @@ def test_reader_bytes_agree_with_proc_io(smollm2_dir, store, reference):
     assert flashlm.stats(model).io_mode == "direct"
     assert counted > 0
     assert abs(kernel_bytes - counted) <= 0.10 * counted, (kernel_bytes, counted)
+
+
+@pytest.mark.parametrize(
+    "options", [{"method": "dip"}, {"method": "dip", "cache_aware": 0.2}, {"method": "glu"}]
+)
+def test_sparse_methods_at_density_one_match_dense(options, smollm2_dir, store, reference):
+    """DIP (and DIP-CA, the GLU oracle) at density 1.0 keep every unit: the dense model's tokens."""
+    inputs, expected_tokens, expected_logits = reference
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm2_dir,
+        quantization_config=flashlm.FlashConfig(
+            store=str(store), memory_budget="50%", density=1.0, **options
+        ),
+    )
+    with torch.inference_mode():
+        tokens = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert torch.equal(tokens, expected_tokens)
+        torch.testing.assert_close(model(tokens).logits, expected_logits, rtol=1.6e-2, atol=5e-2)
+
+
+def test_dip_perplexity_orders_as_the_paper(smollm2_dir, store):
+    """At 50% MLP density DIP beats up and gate pruning, and the GLU oracle beats DIP (Table 1)."""
+    from flashlm.eval import corpus_tokens
+    from flashlm.eval.perplexity import perplexity
+
+    ids = corpus_tokens("shakespeare", AutoTokenizer.from_pretrained(smollm2_dir))[:1024]
+    # DIP's split is given (60% of input columns, hence 30% of down columns) so no calibration is needed
+    options = {"glu": {}, "dip": {"input_density": 0.6}, "up": {}, "gate": {}}
+    results = {}
+    for method, extra in options.items():
+        config = flashlm.FlashConfig(
+            method=method, density=0.5, store=str(store), memory_budget="50%", **extra
+        )
+        model = AutoModelForCausalLM.from_pretrained(smollm2_dir, quantization_config=config)
+        results[method] = perplexity(model, ids, context_length=512, progress=False).perplexity
+    assert results["glu"] < results["dip"] < results["up"] < results["gate"], results

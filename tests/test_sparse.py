@@ -357,3 +357,26 @@ def test_thresholds_without_calibration_raise(make_tiny_checkpoint, tmp_path) ->
     )
     with pytest.raises(flashlm.calibration.CalibrationMissingError, match="flashlm calibrate"):
         AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
+
+
+def test_trace_replay_reproduces_the_live_cache(tiny_llama, tmp_path) -> None:
+    """The units recorded in a run, replayed offline with the same policy and capacities, give the
+    run's own hits and misses: the simulator's cache is the real one."""
+    from flashlm.patching import trace
+    from flashlm.sim import replay
+    from flashlm.trace import Trace
+
+    path, _, store = tiny_llama
+    model = load(path, store, cached=0.4, method="dip", density=0.5, record_trace=True)
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(11))
+    model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    recorded = trace(model)
+    recorded.save(tmp_path / "trace.safetensors")
+    loaded = Trace.load(tmp_path / "trace.safetensors")
+    assert loaded == recorded and loaded.num_steps == 10  # the prompt's step, then 9 decode steps
+    capacities = {key: cache.capacity for key, cache in streaming_mlps(model)[0].runtime.caches.items()}
+    result = replay(loaded, capacity=capacities, policy="lfu")
+    live = flashlm.stats(model).totals()
+    assert (int(result.hits.sum()), int(result.misses.sum())) == (live["hits"], live["misses"])
+    belady = replay(loaded, capacity=capacities, policy="belady")
+    assert belady.misses.sum() <= result.misses.sum()

@@ -87,8 +87,29 @@ def _config(args: argparse.Namespace):
 def cmd_convert(args: argparse.Namespace) -> int:
     from .store import convert
 
-    store = convert(args.source, args.dest, overwrite=args.overwrite)
+    store = convert(args.source, args.dest, kinds=args.kinds, overwrite=args.overwrite)
     print(f"wrote {store.path}: {store.num_layers} layers, kinds {', '.join(store.kinds)}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .calibration import CALIBRATION_FILE, calibrate, split_from_fit
+
+    result = calibrate(
+        args.model,
+        corpus=args.corpus,
+        store=args.store,
+        num_tokens=args.tokens,
+        context_length=args.context_length,
+        split=args.split,
+    )
+    print(f"calibrated on {result.tokens} tokens of {result.corpus}; wrote {CALIBRATION_FILE} into the store")
+    if result.split_fit is not None:
+        fit = result.split_fit
+        print(f"DIP split: logit(ρ_in) = {fit['intercept']:.3f} + {fit['slope']:.3f} logit(density)")
+        for density in (0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
+            rho_in, rho_down = split_from_fit(fit, density)
+            print(f"  density {density:.0%}: input columns {rho_in:.1%}, down columns {rho_down:.1%}")
     return 0
 
 
@@ -318,7 +339,29 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("source", help="checkpoint directory (config.json + *.safetensors)")
     convert.add_argument("dest", help="store directory to create")
     convert.add_argument("--overwrite", action="store_true", help="replace an existing store")
+    convert.add_argument(
+        "--kinds",
+        type=_list,
+        default=None,
+        help="unit layouts to write (default: bundle; the others are derived on first use)",
+    )
     convert.set_defaults(func=cmd_convert)
+
+    calibrate = sub.add_parser(
+        "calibrate",
+        help="fit DIP's density split and the magnitude thresholds (CATS, per-layer/global) on text",
+    )
+    calibrate.add_argument(
+        "--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct)"
+    )
+    calibrate.add_argument("--corpus", default="shakespeare", help="corpus whose calibration split is used")
+    calibrate.add_argument("--tokens", type=_int_at_least(2), default=1024, help="calibration tokens")
+    calibrate.add_argument("--context-length", type=_int_at_least(2), default=512)
+    calibrate.add_argument("--store", default=None, help="store path (default: one in flashlm's cache)")
+    calibrate.add_argument(
+        "--no-split", dest="split", action="store_false", help="only the thresholds, not the density split"
+    )
+    calibrate.set_defaults(func=cmd_calibrate)
 
     info = sub.add_parser("info", help="show what a store holds")
     info.add_argument("store")
