@@ -167,11 +167,12 @@ def load(path, store, cached: float = 0.5, **options) -> torch.nn.Module:
     beyond the working memory (tiny models' working memory dwarfs their weights, so % budgets mislead)."""
     if not Path(store).exists():
         flashlm.convert(path, store, progress=False)
-    kinds = method_class(options.get("method", "dense")).KINDS
+    cls = method_class(options.get("method", "dense"))
+    kinds = cls.KINDS
     opened = add_kinds(flashlm.Store.open(store), kinds, progress=False)
     policy = options.get("policy", "lfu")
     with pytest.raises(BudgetTooSmallError) as info:
-        FlashRuntime(opened, flashlm.FlashConfig(memory_budget=1, policy=policy), kinds)
+        FlashRuntime(opened, flashlm.FlashConfig(memory_budget=1, policy=policy), kinds, cls.ASSEMBLED_KINDS)
     units = sum(opened.row_file(0, k).rows * (opened.row_file(0, k).row_bytes + 8) for k in kinds)
     budget = info.value.minimum_bytes + int(cached * units * opened.num_layers)
     config = flashlm.FlashConfig(store=str(store), memory_budget=budget, **options)

@@ -105,7 +105,7 @@ def replace_mlps(model: nn.Module, store: Store, config: FlashConfig) -> FlashRu
     store = add_kinds(store, cls.KINDS)
     calibration = Calibration.load(store.path, store.content_sha256) if sparse else None
     with torch.device("cpu"):
-        runtime = FlashRuntime(store, config, cls.KINDS)
+        runtime = FlashRuntime(store, config, cls.KINDS, cls.ASSEMBLED_KINDS)
         for layer, owner_name, owner in owners:
             act = getattr(owner, spec.act)
             dense_class = type(owner) if spec.owner else None

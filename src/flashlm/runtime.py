@@ -51,7 +51,13 @@ class FlashRuntime:
     layer's attention; it is valid because a layer's cache changes only in that layer's forward.
     """
 
-    def __init__(self, store: Store, config: FlashConfig, kinds: tuple[str, ...] = (STREAMED_KIND,)) -> None:
+    def __init__(
+        self,
+        store: Store,
+        config: FlashConfig,
+        kinds: tuple[str, ...] = (STREAMED_KIND,),
+        assembled_kinds: tuple[str, ...] = (),
+    ) -> None:
         self.store = store
         self.config = config
         self.kinds = kinds
@@ -82,6 +88,13 @@ class FlashRuntime:
         }
         staging_bytes = sum(b.numel() * b.element_size() for bufs in self.staging.values() for b in bufs)
         workspace_bytes = store.d_ff * store.d_model * store.dtype.itemsize if prefetched else 0
+        # Where a step that needs every unit of a kind assembles them in unit order (one matmul, one
+        # rounding: what makes density 1.0 reproduce the dense model in bf16).
+        self.assembly = {
+            kind: torch.empty(store.row_file(0, kind).rows, store.row_file(0, kind).width, dtype=store.dtype)
+            for kind in assembled_kinds
+        }
+        workspace_bytes += sum(b.numel() * b.element_size() for b in self.assembly.values())
         self.budget_bytes = config.budget.resolve(self.num_layers * self.layer_mlp_bytes)
         self._cache_keys = list(row_files)
         self.plan: BudgetPlan = split_budget(
@@ -202,7 +215,11 @@ class FlashRuntime:
             cache.nbytes + sum(b.numel() * b.element_size() for b in cache.policy.buffers())
             for cache in self.caches.values()
         )
-        buffers = [*(b for bufs in self.staging.values() for b in bufs), *self._workspaces.values()]
+        buffers = [
+            *(b for bufs in self.staging.values() for b in bufs),
+            *self._workspaces.values(),
+            *self.assembly.values(),
+        ]
         return cache_bytes + sum(b.numel() * b.element_size() for b in buffers) + self.reader.buffer_bytes
 
     def snapshot(self) -> FlashStats:

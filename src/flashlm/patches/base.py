@@ -59,6 +59,8 @@ class FlashMLP(nn.Module):
 
     method: ClassVar[str]
     KINDS: ClassVar[tuple[str, ...]]
+    ASSEMBLED_KINDS: ClassVar[tuple[str, ...]] = ()
+    """Kinds whose units a step may assemble in unit order (`FlashRuntime.assembly`)."""
 
     def __init__(
         self,

@@ -88,11 +88,36 @@ class _Parts:
             self.times.reads += self._fetched.reads
         return self._fetched
 
+    @property
+    def unit_count(self) -> int:
+        return self.cached[1].numel() + self.miss_ids.numel()
+
+    @property
+    def in_order(self) -> bool:
+        """One part whose units are all in ascending order (nothing to assemble)."""
+        return not self.cached[1].numel() and _ascending(self.miss_ids)
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.cached[1].numel():
             yield self.cached
         if self.miss_ids.numel():
             yield self.fetched.rows, self.miss_ids
+
+
+class _ResolvedParts(list):
+    """Parts already read (the sequential stage's whole matrix)."""
+
+    @property
+    def unit_count(self) -> int:
+        return sum(ids.numel() for _, ids in self)
+
+    @property
+    def in_order(self) -> bool:
+        return len(self) == 1 and _ascending(self[0][1])
+
+
+def _ascending(ids: torch.Tensor) -> bool:
+    return bool((ids[1:] > ids[:-1]).all())
 
 
 class SparseMLP(FlashMLP):
@@ -276,9 +301,22 @@ class SparseMLP(FlashMLP):
 
     # ---- shared arithmetic --------------------------------------------------------------------
 
-    @staticmethod
-    def _columns(coef: torch.Tensor, parts: Parts) -> torch.Tensor:
-        """`coef @ W` where unit i is row i of W (an input column of the projection): sum over parts."""
+    def _columns(self, coef: torch.Tensor, parts: Parts, kind: str) -> torch.Tensor:
+        """`coef @ W` where unit i is row i of W (an input column of the projection).
+
+        Summed over the parts; but when the parts hold every unit (density 1.0, or the GLU oracle's
+        first stage), W is first assembled in unit order, so the product is one matmul with one
+        rounding, as in the dense model.
+        """
+        parts = parts if isinstance(parts, _Parts) else _ResolvedParts(parts)
+        assembly = self.runtime.assembly.get(kind)
+        if assembly is not None and parts.unit_count == assembly.shape[0] and not parts.in_order:
+            for rows, ids in parts:
+                assembly.index_copy_(0, ids, rows)
+            weight = assembly.to(coef.dtype)
+            # The dense model's kernels: a vector-matrix product for one token; for many, a matmul
+            # against the projection in its checkpoint layout, where the kernel is layout-sensitive.
+            return coef @ weight if coef.shape[0] == 1 else F.linear(coef, weight.T.contiguous())
         out = None
         for rows, ids in parts:
             term = coef[:, ids] @ rows.to(coef.dtype)
@@ -308,6 +346,7 @@ class DIPMLP(SparseMLP):
 
     INPUT_KIND = "dip_in"
     OUTPUT_KIND = "dip_down"
+    ASSEMBLED_KINDS = ("dip_in", "dip_down")
 
     def __init__(self, *args, k_in: int, input_threshold: float | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -324,7 +363,9 @@ class DIPMLP(SparseMLP):
         return topk_mask(cache_aware_scores(x, resident, self.gamma), self.k_in)
 
     def compute_input(self, x: torch.Tensor, mask: torch.Tensor | None, parts: Parts) -> torch.Tensor:
-        up_gate = self._columns(x if mask is None else x * mask, parts)  # dip_in row i: up[:, i] | gate[:, i]
+        up_gate = self._columns(
+            x if mask is None else x * mask, parts, self.INPUT_KIND
+        )  # dip_in row i: up[:, i] | gate[:, i]
         return up_gate[:, : self.d_ff] * self.act(up_gate[:, self.d_ff :])
 
     def select_output(self, a: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:
@@ -333,7 +374,7 @@ class DIPMLP(SparseMLP):
     def compute_output(
         self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts
     ) -> torch.Tensor:
-        return self._columns(a * mask, parts)
+        return self._columns(a * mask, parts, self.OUTPUT_KIND)
 
 
 @register_method("glu")
