@@ -323,6 +323,18 @@ class SparseMLP(FlashMLP):
             out = term if out is None else out + term
         return out
 
+    def _bundled(
+        self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts, other_act: nn.Module
+    ) -> torch.Tensor:
+        """Stage 2 over bundles (row j of the other projection | down column j): the sum over kept j
+        of `a_j * other_act(row_j · x) * down_j`."""
+        out = x.new_zeros(x.shape[0], self.d_model)
+        for rows, ids in parts:
+            rows = rows.to(x.dtype)
+            other = F.linear(x, rows[:, : self.d_model])
+            out += (a[:, ids] * other_act(other) * mask[:, ids]) @ rows[:, self.d_model :]
+        return out
+
     @staticmethod
     def _rows(x: torch.Tensor, parts: Parts, num_units: int) -> torch.Tensor:
         """`x @ W.T` where unit j is row j of W (an output row of the projection): placed by unit id."""
@@ -404,12 +416,7 @@ class UpPruningMLP(SparseMLP):
     def compute_output(
         self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts
     ) -> torch.Tensor:
-        out = x.new_zeros(x.shape[0], self.d_model)
-        for rows, ids in parts:  # gate_down row j: gate[j, :] | down[:, j]
-            rows = rows.to(x.dtype)
-            gate = F.linear(x, rows[:, : self.d_model])
-            out += (a[:, ids] * self.act(gate) * mask[:, ids]) @ rows[:, self.d_model :]
-        return out
+        return self._bundled(x, a, mask, parts, self.act)  # gate_down row j: gate[j, :] | down[:, j]
 
 
 @register_method("gate")
@@ -425,12 +432,7 @@ class GatePruningMLP(SparseMLP):
     def compute_output(
         self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts
     ) -> torch.Tensor:
-        out = x.new_zeros(x.shape[0], self.d_model)
-        for rows, ids in parts:  # up_down row j: up[j, :] | down[:, j]
-            rows = rows.to(x.dtype)
-            up = F.linear(x, rows[:, : self.d_model])
-            out += (a[:, ids] * up * mask[:, ids]) @ rows[:, self.d_model :]
-        return out
+        return self._bundled(x, a, mask, parts, nn.Identity())  # up_down row j: up[j, :] | down[:, j]
 
 
 @register_method("cats")
