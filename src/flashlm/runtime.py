@@ -109,7 +109,8 @@ class FlashRuntime:
         if prefetched:
             self.down_workspace(torch.device("cpu"), store.dtype)
         self.caches: dict[tuple[int, str], NeuronCache] = {}
-        self._unit_ids = torch.arange(max(f.rows for f in row_files.values()))
+        self.unit_ids = torch.arange(max(f.rows for f in row_files.values()))
+        """0, 1, 2, ...: sliced for 'every unit of a layer' instead of allocating a range per step."""
         self._io = ThreadPoolExecutor(1, thread_name_prefix="flashlm-prefetch")
         self._pending: Future[Fetch] | None = None
         self.stats = StatsRecorder()
@@ -192,7 +193,7 @@ class FlashRuntime:
         """Start reading the next layer's misses into the staging buffer `current` does not use."""
         layer = (current.layer + 1) % self.num_layers
         cache = self.caches[(layer, STREAMED_KIND)]
-        ids = self._unit_ids[: cache.num_units]
+        ids = self.unit_ids[: cache.num_units]
         self._pending = self.submit(layer, STREAMED_KIND, ids[cache.slot_of[ids] < 0], 1 - current.buffer)
 
     def submit(self, layer: int, kind: str, ids: torch.Tensor, buffer: int = 0) -> Future[Fetch]:

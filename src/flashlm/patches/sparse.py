@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from time import perf_counter
@@ -114,6 +114,10 @@ class _ResolvedParts(list):
     @property
     def in_order(self) -> bool:
         return len(self) == 1 and _ascending(self[0][1])
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _ascending(ids: torch.Tensor) -> bool:
@@ -250,7 +254,7 @@ class SparseMLP(FlashMLP):
             return self._sequential_stage(kind, cache, select, values, times)
         started = perf_counter()
         mask = select(values, cache.slot_of >= 0)
-        ids = torch.arange(cache.num_units) if mask is None else union_ids(mask)
+        ids = runtime.unit_ids[: cache.num_units] if mask is None else union_ids(mask)
         _, _, miss_ids = cache.lookup(ids)
         pending = runtime.submit(layer, kind, miss_ids)
         times.cache_s += perf_counter() - started
@@ -268,7 +272,7 @@ class SparseMLP(FlashMLP):
     def _sequential_stage(self, kind, cache: NeuronCache, select, values: torch.Tensor, times: _StageTimes):
         """Read the whole matrix, then select and update the cache token by token, as decoding would."""
         runtime, layer = self.runtime, self.layer
-        all_ids = torch.arange(cache.num_units)
+        all_ids = runtime.unit_ids[: cache.num_units]
         started = perf_counter()
         fetched = runtime.read(layer, kind, all_ids)
         read_done = perf_counter()
@@ -324,7 +328,7 @@ class SparseMLP(FlashMLP):
         return out
 
     def _bundled(
-        self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts, other_act: nn.Module
+        self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts, other_act: Callable
     ) -> torch.Tensor:
         """Stage 2 over bundles (row j of the other projection | down column j): the sum over kept j
         of `a_j * other_act(row_j · x) * down_j`."""
@@ -432,7 +436,7 @@ class GatePruningMLP(SparseMLP):
     def compute_output(
         self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts
     ) -> torch.Tensor:
-        return self._bundled(x, a, mask, parts, nn.Identity())  # up_down row j: up[j, :] | down[:, j]
+        return self._bundled(x, a, mask, parts, _identity)  # up_down row j: up[j, :] | down[:, j]
 
 
 @register_method("cats")
