@@ -399,7 +399,7 @@ def test_add_kinds_needs_the_bundle(llama: Checkpoint, tmp_path: Path) -> None:
     assert "kinds=[...]" in str(info.value)
 
 
-@pytest.mark.parametrize("fails", ["write_aligned_safetensors", "_fsync_dir"])
+@pytest.mark.parametrize("fails", ["write_aligned_safetensors", "fsync_dir"])
 def test_failed_add_kinds_leaves_the_store_unchanged(
     llama: Checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: str
 ) -> None:

@@ -194,3 +194,22 @@ def mlp_owner_names(spec: MLPSpec, tensor_names: Iterable[str]) -> list[str]:
             "layers) found in the checkpoint."
         )
     return owners
+
+
+def decoder_layers(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
+    """`(layer_index, qualified_name, layer_module)` of every decoder layer, found through its MLP.
+
+    A decoder layer is the module that holds the MLP owner (`model.layers.3` for `model.layers.3.mlp`),
+    or the owner itself where the projections sit on the layer (OPT).
+    """
+    spec = spec_for(model_type_of(model.config))
+    layers = []
+    for index, owner_name, owner in find_mlps(model, spec):
+        name = owner_name.rsplit(".", 1)[0] if spec.owner else owner_name
+        layers.append((index, name, model.get_submodule(name) if spec.owner else owner))
+    return layers
+
+
+def layer_linears(layer: nn.Module) -> list[str]:
+    """Names, relative to `layer`, of every `nn.Linear` inside it (attention and MLP), in module order."""
+    return [name for name, module in layer.named_modules() if isinstance(module, nn.Linear)]

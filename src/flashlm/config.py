@@ -20,7 +20,7 @@ from ._utils import parse_bytes
 from .errors import ConfigError
 
 QUANT_METHOD = "flashlm"
-METHODS = ("dense", "dip", "glu", "gate", "up", "cats")
+METHODS = ("dense", "dip", "glu", "gate", "up", "cats", "endor")
 GATED_METHODS = ("dip", "glu", "gate", "up", "cats")
 """Methods that prune a gated (SwiGLU) MLP's projections separately: they need a gated MLP."""
 THRESHOLDS = ("token", "layer", "global")
@@ -37,6 +37,7 @@ PERSISTED_OPTIONS = (
 RUNTIME_OPTIONS = (
     "store",
     "memory_budget",
+    "device_budget",
     "direct_io",
     "io_threads",
     "io_chunk_bytes",
@@ -82,8 +83,12 @@ class FlashConfig(QuantizationConfigMixin):
             `"dip"` (Dynamic Input Pruning: top-k of |x| picks up/gate input columns, top-k of the
             pruned GLU picks down columns), and its baselines `"glu"` (oracle: full GLU, top-k down
             columns), `"gate"` / `"up"` (full gate or up projection, top-k of it picks the rest)
-            and `"cats"` (gate pruning with a per-layer threshold calibrated on text).
-        density: target fraction of MLP weights used per token, in (0, 1]. `"dense"` requires 1.0.
+            and `"cats"` (gate pruning with a per-layer threshold calibrated on text). `"endor"`
+            offloads every linear of the decoder layers of a pruned model (attention and MLP), held
+            in the Endor bitmap format in memory or on the SSD store and decompressed just before
+            use (`flashlm.endor`); it computes exactly what the pruned model computes.
+        density: target fraction of MLP weights used per token, in (0, 1]. `"dense"` and `"endor"`
+            require 1.0.
             For `"glu"` it is the density of the GLU activation (as in the paper's tables): the
             oracle always reads all of up and gate, so its MLP density is 2/3 + density/3 (reported
             by `flashlm.stats`). `"gate"`, `"up"` and `"cats"` read one full projection, so they
@@ -103,7 +108,11 @@ class FlashConfig(QuantizationConfigMixin):
         store: path of the SSD weight store. Default: a directory in flashlm's cache named after
             the checkpoint; a missing store is converted on first load.
         memory_budget: bytes for the neuron cache and its I/O buffers: an int, `"512MB"`, or a
-            percentage of the model's MLP bytes (`"25%"`).
+            percentage of the model's MLP bytes (`"25%"`). For `"endor"`: bytes for the layers held
+            compressed in memory, the staging buffers and the decompression workspace (a percentage is
+            of the decoder linears' dense bytes); layers are mapped to memory in order while they fit.
+        device_budget: `"endor"` only: bytes of the first layers kept dense on the execution device
+            (never compressed), before the memory-mapped ones; default 0.
         direct_io: read with O_DIRECT (bypassing the page cache). `None` uses it where the OS and
             file system allow and falls back to buffered reads otherwise (stats say which); `True`
             requires it; `False` never uses it.
@@ -127,6 +136,7 @@ class FlashConfig(QuantizationConfigMixin):
         window: int = 5,
         store: str | os.PathLike | None = None,
         memory_budget: int | str | None = None,
+        device_budget: int | str = 0,
         direct_io: bool | None = None,
         io_threads: int | None = None,
         io_chunk_bytes: int | None = None,
@@ -155,6 +165,7 @@ class FlashConfig(QuantizationConfigMixin):
             if memory_budget is not None
             else os.environ.get("FLASHLM_MEMORY_BUDGET", DEFAULT_MEMORY_BUDGET)
         )
+        self.device_budget = device_budget
         self.direct_io = direct_io
         self.io_threads = io_threads
         self.io_chunk_bytes = io_chunk_bytes
@@ -170,8 +181,11 @@ class FlashConfig(QuantizationConfigMixin):
             raise ConfigError(f"density must be a number in (0, 1], got {self.density!r}.")
         if not 0 < self.density <= 1:
             raise ConfigError(f"density must be in (0, 1], got {self.density}.")
-        if self.method == "dense" and self.density != 1:
-            raise ConfigError(f"method='dense' streams every unit: density must be 1.0, got {self.density}.")
+        if self.method in ("dense", "endor") and self.density != 1:
+            raise ConfigError(
+                f"method={self.method!r} computes with every weight it holds: density must be 1.0, got "
+                f"{self.density}. (Endor's sparsity is in the pruned weights: prune with `flashlm prune`.)"
+            )
         if self.method in ("gate", "up", "cats") and not self.density > 1 / 3:
             projection = "up" if self.method == "up" else "gate"
             raise ConfigError(
@@ -197,6 +211,13 @@ class FlashConfig(QuantizationConfigMixin):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         self.budget = Budget.parse(self.memory_budget)
+        self._device_budget = Budget.parse(self.device_budget)
+        if self.device_budget != 0 and self.method != "endor":
+            raise ConfigError(f"device_budget applies to method='endor' only (method is {self.method!r}).")
+
+    def device_budget_bytes(self, dense_bytes: int) -> int:
+        """Bytes of `device_budget`; a percentage is of `dense_bytes`."""
+        return self._device_budget.resolve(dense_bytes)
 
     def _check_dip_options(self) -> None:
         gamma = self.cache_aware

@@ -45,3 +45,7 @@ class CacheDirError(FlashLMError, OSError):
 
 class CorpusNotFoundError(FlashLMError, FileNotFoundError):
     """An evaluation corpus is unknown, or the package that carries its text is not installed."""
+
+
+class EndorFormatError(StoreCorruptError, ValueError):
+    """An Endor-compressed matrix is inconsistent: its bitmap and values disagree, or it is truncated."""

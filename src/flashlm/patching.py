@@ -6,6 +6,7 @@ and the transformers quantizer (a model still on the meta device, before weight 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from pathlib import Path
@@ -18,20 +19,24 @@ from ._utils import cache_dir
 from .arch import MLPSpec, find_mlps, mlp_weight_names, model_type_of, spec_for
 from .calibration import Calibration
 from .config import FlashConfig
-from .errors import ConfigError, UnsupportedArchitectureError
+from .endor.offload import EndorLinear, EndorStats, endor_linears, replace_linears
+from .endor.store import EndorStore, convert_endor, endor_layout
+from .errors import ConfigError, StoreMismatchError, UnsupportedArchitectureError
 from .patches import FlashMLP, StreamingMLP, build_sparse_mlp, method_class
 from .runtime import STREAMED_KIND, FlashRuntime
 from .stats import FlashStats
 from .store import ModuleSource, SafetensorsSource, Store, add_kinds, convert, mlp_content_sha256
+from .store.format import update_content_hash
 from .trace import Trace
 
 logger = logging.getLogger(__name__)
 
 
-def default_store_path(name: str, key: str) -> Path:
-    """Where a store lives when the config names none: `<cache>/stores/<name>-<key[:16]>.flash`."""
+def default_store_path(name: str, key: str, suffix: str = ".flash") -> Path:
+    """Where a store lives when the config names none: `<cache>/stores/<name>-<key[:16]><suffix>`
+    (`.flash` for MLP stores, `.endor` for Endor stores)."""
     safe_name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name).name or "model")
-    return cache_dir() / "stores" / f"{safe_name}-{key[:16]}.flash"
+    return cache_dir() / "stores" / f"{safe_name}-{key[:16]}{suffix}"
 
 
 def open_store_for_checkpoint(
@@ -66,6 +71,49 @@ def open_store_for_module(model: nn.Module, config: FlashConfig, *, progress: bo
     store = Store.open(path)
     store.check_matches(model_type=source.model_type, content_sha256=content)
     return store
+
+
+def open_endor_store(
+    source: SafetensorsSource | ModuleSource, model: nn.Module, config: FlashConfig, *, progress: bool = True
+) -> EndorStore:
+    """The Endor store of a (pruned) checkpoint or a model in memory: opened and checked, or compressed
+    first."""
+    fingerprint = source.fingerprint()
+    name = source.path or getattr(model.config, "_name_or_path", "") or type(model).__name__
+    key = fingerprint or _decoder_weights_sha256(source, model)
+    path = Path(config.store).expanduser() if config.store else default_store_path(name, key, ".endor")
+    if not path.exists():
+        logger.warning("flashlm: no Endor store at %s; compressing the decoder layers of %s.", path, name)
+        convert_endor(source, path, endor_layout(model), progress=progress)
+    store = EndorStore.open(path)
+    store.check_matches(model_type=source.model_type, fingerprint=fingerprint)
+    if fingerprint is None and store.content_sha256 != key:
+        raise StoreMismatchError(
+            f"The Endor store {path} was compressed from other weights than this model's. Delete it or pass "
+            "another `store=` path."
+        )
+    return store
+
+
+def _decoder_weights_sha256(source: ModuleSource, model: nn.Module) -> str:
+    """sha256 of the decoder linears' weights in layout order, as `convert_endor` records it."""
+    digest = hashlib.sha256()
+    for prefix, names in endor_layout(model):
+        for name in names:
+            update_content_hash(digest, {name: source.get(f"{prefix}.{name}.weight").contiguous()})
+    return digest.hexdigest()
+
+
+def patch_for_loading(model: nn.Module, checkpoint_dir: str | Path, config: FlashConfig) -> list[str]:
+    """Swap `model`'s modules (still on the meta device) for flashlm's, reading the checkpoint's store
+    (converted first if missing); returns the checkpoint keys that are no longer parameters."""
+    if config.method == "endor":
+        store = open_endor_store(SafetensorsSource(checkpoint_dir), model, config)
+        return replace_linears(model, store, config)[1]
+    spec = spec_for(model_type_of(model.config))
+    owner_names = [name for _, name, _ in find_mlps(model, spec)]
+    replace_mlps(model, open_store_for_checkpoint(checkpoint_dir, config), config)
+    return [key for owner in owner_names for key in mlp_weight_names(spec, owner).values()]
 
 
 def _target(spec: MLPSpec, owner_name: str) -> tuple[str, list[str]]:
@@ -157,11 +205,15 @@ def patch(model: nn.Module, config: FlashConfig | None = None, *, progress: bool
     `from_pretrained(..., quantization_config=FlashConfig(...))`, which never loads the MLPs.
     """
     config = config or FlashConfig()
-    if streaming_mlps(model):
+    if streaming_mlps(model) or endor_linears(model):
         raise ValueError("The model is already patched by flashlm; call flashlm.unpatch(model) first.")
     spec_for(model_type_of(model.config))  # an unsupported architecture fails before any hashing
-    store = open_store_for_module(model, config, progress=progress)
-    replace_mlps(model, store, config)
+    if config.method == "endor":
+        replace_linears(
+            model, open_endor_store(ModuleSource(model), model, config, progress=progress), config
+        )
+    else:
+        replace_mlps(model, open_store_for_module(model, config, progress=progress), config)
     if getattr(model, "hf_quantizer", None) is None and hasattr(model, "config"):
         from .integrations.transformers import FlashQuantizer
 
@@ -200,8 +252,35 @@ def dense_mlp_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return weights
 
 
+def endor_dense_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights of an Endor-offloaded model's `EndorLinear`s, decompressed, by checkpoint name."""
+    return {
+        f"{name}.weight": module.dense_weight()
+        for name, module in model.named_modules()
+        if isinstance(module, EndorLinear)
+    }
+
+
+def _unpatch_endor(model: nn.Module) -> None:
+    runtime = endor_linears(model)[0].runtime
+    for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, EndorLinear)]:
+        weight = module.dense_weight()
+        linear = nn.Linear(
+            module.in_features, module.out_features, bias=module.bias is not None, device="meta"
+        )
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        linear.bias = module.bias
+        model.set_submodule(name, linear)
+    runtime.close()
+
+
 def unpatch(model: nn.Module) -> nn.Module:
-    """Put dense MLPs back (weights read from the store), in place; returns the model."""
+    """Put dense MLPs (or, for Endor, dense linears) back, weights read from the store, in place; returns
+    the model."""
+    if endor_linears(model):
+        _unpatch_endor(model)
+        _forget_quantizer(model)
+        return model
     spec = spec_for(model_type_of(model.config))
     weights = dense_mlp_weights(model)
     runtime = _runtime_of(model)
@@ -228,6 +307,11 @@ def unpatch(model: nn.Module) -> nn.Module:
                 with torch.no_grad():
                     target.copy_(weights[key])
     runtime.close()
+    _forget_quantizer(model)
+    return model
+
+
+def _forget_quantizer(model: nn.Module) -> None:
     from .integrations.transformers import FlashQuantizer
 
     if isinstance(getattr(model, "hf_quantizer", None), FlashQuantizer):
@@ -235,14 +319,19 @@ def unpatch(model: nn.Module) -> nn.Module:
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.is_quantized = False
-    return model
 
 
-def stats(model: nn.Module, *, reset: bool = False) -> FlashStats:
-    """Counters since the last reset: bytes read, reads, hits/misses, I/O / cache / compute time.
+def stats(model: nn.Module, *, reset: bool = False) -> FlashStats | EndorStats:
+    """Counters since the last reset: bytes read, reads, hits/misses, I/O / cache / compute time
+    (for an Endor-offloaded model: bytes read and moved, read / move / decompress / compute time).
 
     `reset=True` clears them after taking the snapshot (also the caches' counters).
     """
+    if linears := endor_linears(model):
+        snapshot = linears[0].runtime.snapshot()
+        if reset:
+            linears[0].runtime.reset_stats()
+        return snapshot
     modules = streaming_mlps(model)
     runtime = _runtime_of(model)
     snapshot = runtime.snapshot()

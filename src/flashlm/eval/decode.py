@@ -8,13 +8,19 @@ same greedy loop: one prefill forward, then one forward per new token, each time
 - `accelerate-cold`: the MLPs offloaded to disk with Accelerate (`device_map` + `offload_folder`);
   the page cache is dropped before every decode step, outside the timed region, so the weights
   really come from the disk (needs root). Without it a small model never leaves the page cache.
+  With `"memory_layers": k` in the dict, whole decoder layers are offloaded instead, as Accelerate
+  maps a model under a memory budget: layers `0..k-1` in memory, the rest on disk (the Endor
+  paper's baseline).
 - `accelerate-warm`: the same, page cache left alone (reference only: it reads from RAM).
-- `flashlm`: `from_pretrained(..., quantization_config=FlashConfig(**options))`, O_DIRECT reads;
+- `flashlm`: `from_pretrained(..., quantization_config=FlashConfig(**options))`, O_DIRECT reads
+  (`"device": "cuda"` in the dict loads it with that `device_map`);
   with `"trace_path"` in the dict (and `record_trace` in the options) the units each layer used
   are saved there (`flashlm.trace`).
 
 Bytes read per token come from `/proc/self/io` read_bytes (what the process really fetched from
-storage) and, for flashlm, from the reader's own counter.
+storage) and, for flashlm, from the reader's own counter. `"model"` in the dict overrides the model
+path (e.g. a pruned checkpoint). Every configuration also reports each decoder layer's mean decode
+time (forward hooks), and an Endor one the timeline of its last decode step's phases.
 
     python -m flashlm.eval.decode --spec '{"name": "ram", "kind": "ram"}' --model DIR --new-tokens 8
 """
@@ -73,6 +79,26 @@ def mlp_disk_device_map(model_path: Path) -> dict[str, str]:
     return device_map
 
 
+def layer_disk_device_map(model_path: Path, memory_layers: int) -> dict[str, str]:
+    """Decoder layers `0..memory_layers-1` and everything outside the decoder layers on 'cpu', the
+    other decoder layers on 'disk' (how Accelerate maps a model whose layers outgrow the memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..arch import decoder_layers
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    on_disk = [name for index, name, _ in decoder_layers(model) if index >= memory_layers]
+    device_map = {name: "disk" for name in on_disk}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        module = name.rsplit(".", 1)[0]
+        if not any(module == m or module.startswith(m + ".") for m in on_disk):
+            device_map[module] = "cpu"
+    return device_map
+
+
 def _load(spec: dict[str, Any], model_path: Path, offload_dir: Path):
     from transformers import AutoModelForCausalLM
 
@@ -82,11 +108,17 @@ def _load(spec: dict[str, Any], model_path: Path, offload_dir: Path):
     if kind == "ram":
         return AutoModelForCausalLM.from_pretrained(model_path)
     if kind.startswith("accelerate"):
-        return AutoModelForCausalLM.from_pretrained(
-            model_path, device_map=mlp_disk_device_map(model_path), offload_folder=str(offload_dir)
+        device_map = (
+            layer_disk_device_map(model_path, spec["memory_layers"])
+            if "memory_layers" in spec
+            else mlp_disk_device_map(model_path)
         )
+        return AutoModelForCausalLM.from_pretrained(
+            model_path, device_map=device_map, offload_folder=str(offload_dir)
+        )
+    placement = {"device_map": spec["device"]} if "device" in spec else {}
     return AutoModelForCausalLM.from_pretrained(
-        model_path, quantization_config=FlashConfig(**spec["options"])
+        model_path, quantization_config=FlashConfig(**spec["options"]), **placement
     )
 
 
@@ -95,17 +127,21 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
     import torch
     from transformers import AutoTokenizer
 
+    from ..endor.offload import endor_linears
     from ..patching import stats, streaming_mlps, trace
 
     torch.manual_seed(0)
+    model_path = Path(spec.get("model", model_path))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     started = time.perf_counter()
     model = _load(spec, model_path, offload_dir)
     load_s = time.perf_counter() - started
     cold = spec["kind"] == "accelerate-cold"
     modules = streaming_mlps(model)
-    patched = bool(modules)
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    endor = bool(endor_linears(model))
+    patched = bool(modules) or endor
+    layer_times = LayerTimer(model)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids.to(model.device)
 
     tokens, step_s, step_bytes = [], [], []
     with torch.inference_mode():
@@ -116,6 +152,7 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
         prefill_s = time.perf_counter() - started
         if patched:
             stats(model, reset=True)
+        layer_times.reset()
         for _ in range(new_tokens):
             next_token = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(int(next_token))
@@ -123,6 +160,7 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
                 drop_page_cache()
             read_before = proc_read_bytes()
             started = time.perf_counter()
+            layer_times.begin_step(started)
             out = model(input_ids=next_token, past_key_values=out.past_key_values, use_cache=True)
             step_s.append(time.perf_counter() - started)
             step_bytes.append(proc_read_bytes() - read_before)
@@ -138,8 +176,12 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
         "proc_read_bytes_per_token": sum(step_bytes) / len(step_bytes),
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "tokens": tokens,
+        "layer_ms": layer_times.mean_ms(),
+        "last_step_layers": layer_times.last_step,
     }
-    if patched:
+    if endor:
+        result.update(_endor_result(stats(model), step_starts=layer_times.step_starts))
+    elif patched:
         snapshot = stats(model)
         totals = snapshot.totals()
         result.update(
@@ -161,6 +203,76 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
             trace(model).save(spec["trace_path"])
             result["trace_path"] = spec["trace_path"]
     return result
+
+
+class LayerTimer:
+    """Forward hooks on the decoder layers: each layer's time per decode step, and the last step's spans."""
+
+    def __init__(self, model) -> None:
+        from ..arch import decoder_layers
+
+        self.layers = decoder_layers(model)
+        self.durations: dict[int, list[float]] = {index: [] for index, _, _ in self.layers}
+        self.last_step: list[tuple[int, float, float]] = []
+        self.step_starts: list[float] = []
+        self._started: dict[int, float] = {}
+        for index, _, layer in self.layers:
+            layer.register_forward_pre_hook(self._pre(index))
+            layer.register_forward_hook(self._post(index))
+
+    def _pre(self, index: int):
+        def hook(module, args):
+            self._started[index] = time.perf_counter()
+
+        return hook
+
+    def _post(self, index: int):
+        def hook(module, args, output):
+            ended = time.perf_counter()
+            if not self.step_starts:  # the prefill, before `reset`
+                return
+            self.durations[index].append(ended - self._started[index])
+            self.last_step.append(
+                (index, self._started[index] - self.step_starts[-1], ended - self.step_starts[-1])
+            )
+
+        return hook
+
+    def reset(self) -> None:
+        for durations in self.durations.values():
+            durations.clear()
+        self.step_starts.clear()
+
+    def begin_step(self, started: float) -> None:
+        self.step_starts.append(started)
+        self.last_step = []
+
+    def mean_ms(self) -> list[float]:
+        return [1e3 * sum(d) / len(d) if d else float("nan") for d in self.durations.values()]
+
+
+def _endor_result(snapshot, *, step_starts: list[float]) -> dict:
+    """Per-token figures of an Endor run and the phases of its last decode step, in ms from its start."""
+    totals = snapshot.totals(decode_only=True)
+    last = step_starts[-1]
+    return {
+        "regime": snapshot.io_mode,
+        "reader_bytes_per_token": totals["bytes_read_per_step"],
+        "moved_bytes_per_token": totals["moved_bytes_per_step"],
+        **{
+            f"{phase}_ms": 1e3 * totals[f"{phase}_s_per_step"]
+            for phase in ("read", "move", "decompress", "compute")
+        },
+        "placement": snapshot.placement,
+        "resident_bytes": snapshot.resident_bytes,
+        "budget_bytes": snapshot.budget_bytes,
+        "per_layer": snapshot.per_layer(),
+        "last_step_events": [
+            (phase, layer, linear, 1e3 * (start - last), 1e3 * (end - last))
+            for phase, layer, linear, start, end in snapshot.events
+            if start >= last
+        ],
+    }
 
 
 def run_in_subprocess(spec: dict[str, Any], model_path: Path, *, new_tokens: int, offload_dir: Path) -> dict:

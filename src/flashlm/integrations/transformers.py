@@ -15,7 +15,6 @@ from transformers.quantizers.auto import (
     register_quantizer,
 )
 
-from ..arch import find_mlps, mlp_weight_names, model_type_of, spec_for
 from ..config import QUANT_METHOD, FlashConfig
 from ..errors import ConfigError
 
@@ -44,20 +43,16 @@ class FlashQuantizer(HfQuantizer):
                 )
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
-        from ..patching import open_store_for_checkpoint, replace_mlps
+        from ..patching import patch_for_loading
 
         if not checkpoint_files or not str(checkpoint_files[0]).endswith(".safetensors"):
             raise ConfigError(
                 "flashlm converts safetensors checkpoints; load this one without FlashConfig, then call "
                 "flashlm.patch(model, config), which converts from the weights in memory."
             )
-        spec = spec_for(model_type_of(model.config))
-        owner_names = [name for _, name, _ in find_mlps(model, spec)]
-        store = open_store_for_checkpoint(Path(checkpoint_files[0]).parent, self.quantization_config)
-        replace_mlps(model, store, self.quantization_config)
-        streamed = [re.escape(key) for owner in owner_names for key in mlp_weight_names(spec, owner).values()]
+        replaced = patch_for_loading(model, Path(checkpoint_files[0]).parent, self.quantization_config)
         model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | {
-            rf"^{key}$" for key in streamed
+            rf"^{re.escape(key)}$" for key in replaced
         }
         return model
 
@@ -69,11 +64,11 @@ class FlashQuantizer(HfQuantizer):
         return model
 
     def get_state_dict_and_metadata(self, model):
-        """The full state dict, MLP weights read back from the store: a saved checkpoint is complete."""
-        from ..patching import dense_mlp_weights
+        """The full state dict, streamed weights read back from the store: a saved checkpoint is complete."""
+        from ..patching import dense_mlp_weights, endor_dense_weights, endor_linears
 
         state_dict = dict(model.state_dict())
-        state_dict.update(dense_mlp_weights(model))
+        state_dict.update(endor_dense_weights(model) if endor_linears(model) else dense_mlp_weights(model))
         return state_dict, {}
 
     def is_serializable(self) -> bool:

@@ -76,6 +76,18 @@ def convert(
     if isinstance(dtype, str):
         dtype = dtype_from_name(dtype)
     dest = Path(dest).expanduser()
+    with staged_directory(dest, overwrite=overwrite) as tmp:
+        _write_store(source, spec, owners, kinds, dtype, tmp, progress)
+    return Store.open(dest)
+
+
+@contextmanager
+def staged_directory(dest: Path, *, overwrite: bool) -> Iterator[Path]:
+    """A temporary sibling of `dest` (with a `layers/` subdirectory) to write a store into.
+
+    When the block completes, the directory is renamed to `dest` (an old store there is replaced only
+    once the new one is in place); on any error it is removed and `dest` is left as it was.
+    """
     _check_destination(dest, overwrite)
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
     try:
@@ -89,12 +101,11 @@ def convert(
             f"Cannot write a store under {dest.parent}: {exc.strerror}. Choose a writable destination.",
         ) from exc
     try:
-        _write_store(source, spec, owners, kinds, dtype, tmp, progress)
+        yield tmp
         _move_into_place(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Store.open(dest)
 
 
 def add_kinds(store: Store, kinds: Iterable[str], *, progress: bool = True) -> Store:
@@ -176,7 +187,7 @@ def _add_kinds(store: Store, missing: tuple[str, ...], progress: bool) -> None:
         for tmp, final in pending:
             os.replace(tmp, final)
             placed.append(final)
-        _fsync_dir(layers_dir)
+        fsync_dir(layers_dir)
         manifest = dict(store.manifest)
         kinds = [kind for kind in KINDS if kind in store.kinds or kind in missing]
         manifest["kinds"] = {kind: store.manifest["kinds"].get(kind) or layouts[kind] for kind in kinds}
@@ -187,7 +198,7 @@ def _add_kinds(store: Store, missing: tuple[str, ...], progress: bool) -> None:
             os.fsync(f.fileno())
         os.replace(manifest_tmp, path / MANIFEST)
         committed = True
-        _fsync_dir(path)
+        fsync_dir(path)
     except BaseException:
         if not committed:
             for stray in [manifest_tmp, *(tmp for tmp, _ in pending), *placed]:
@@ -300,8 +311,8 @@ def _write_store(
         json.dump(manifest, f, indent=2)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp / "layers")
-    _fsync_dir(tmp)
+    fsync_dir(tmp / "layers")
+    fsync_dir(tmp)
 
 
 def _unit_matrices(
@@ -432,10 +443,10 @@ def _move_into_place(tmp: Path, dest: Path) -> None:
             old.unlink()
     else:
         os.replace(tmp, dest)
-    _fsync_dir(dest.parent)
+    fsync_dir(dest.parent)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     """Make renames and new entries in `path` durable (POSIX only: Windows cannot open directories)."""
     if os.name != "posix":
         return

@@ -65,6 +65,8 @@ _SAFETENSORS_DTYPES = {
     torch.bfloat16: "BF16",
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
+    torch.int8: "I8",
+    torch.uint8: "U8",
 }
 
 _CONVERT_HINT = "convert it with `flashlm convert SRC DST` (or `flashlm.store.convert(src, dst)`)"
