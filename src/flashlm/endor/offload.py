@@ -31,7 +31,7 @@ from ..arch import decoder_layers
 from ..config import FlashConfig
 from ..errors import BudgetTooSmallError, StoreMismatchError
 from ..store.reader import StoreReader
-from .codec import EndorMatrix, decompress
+from .codec import Decompressor, EndorMatrix, decompress
 from .store import EndorStore, layer_placement
 
 PHASES = ("read", "move", "decompress", "compute")
@@ -157,8 +157,16 @@ def largest_linear_bytes(store: EndorStore) -> int:
 
 def working_bytes(store: EndorStore) -> int:
     """What an Endor runtime allocates besides memory-resident layers: two staging buffers of the largest
-    compressed layer and the CPU decompression workspace. The smallest budget it accepts."""
-    return 2 * max(layer.data_bytes for layer in store.layers) + largest_linear_bytes(store)
+    compressed layer, the CPU decompression workspace (the largest linear, dense) and the decompressor's
+    scratch (an int32 index and a values copy per element of it). The smallest budget it accepts."""
+    largest = largest_linear_bytes(store)
+    numel = largest // store.dtype.itemsize
+    return (
+        2 * max(layer.data_bytes for layer in store.layers)
+        + largest
+        + numel * 4
+        + (numel + 1) * store.dtype.itemsize
+    )
 
 
 @dataclass
@@ -219,10 +227,12 @@ class EndorRuntime:
             torch.device("cpu"): torch.empty(largest_linear // store.dtype.itemsize, dtype=store.dtype)
         }
         self._largest_linear_numel = largest_linear // store.dtype.itemsize
+        self._decompressors: dict[torch.device, Decompressor] = {}
         self.resident_bytes = (
             sum(compressed[index] for index in self.resident)
             + sum(buffer.numel() for buffer in self._staging)
             + largest_linear
+            + self._decompressor(torch.device("cpu")).nbytes
         )
         self.linear_names = sorted({name for layer in store.layers for name in layer.linears})
         self._linear_index = {name: i for i, name in enumerate(self.linear_names)}
@@ -290,7 +300,7 @@ class EndorRuntime:
         t1 = perf_counter()
         rows, cols = matrix.shape
         out = self._workspace(device)[: rows * cols].view(rows, cols)
-        decompress(moved, out=out)
+        self._decompressor(device)(moved, out)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t2 = perf_counter()
@@ -322,6 +332,11 @@ class EndorRuntime:
                 self._largest_linear_numel, dtype=self.dtype, device=device
             )
         return self._workspaces[device]
+
+    def _decompressor(self, device: torch.device) -> Decompressor:
+        if device not in self._decompressors:
+            self._decompressors[device] = Decompressor(self._largest_linear_numel, self.dtype, device)
+        return self._decompressors[device]
 
     def snapshot(self) -> EndorStats:
         table = np.array(self.stats.rows, dtype=np.float64).reshape(-1, len(STAT_FIELDS))
