@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from flashlm.config import Budget
+from flashlm.endor.offload import working_bytes
 from flashlm.eval.decode import run_in_subprocess
 from flashlm.eval.timeline import plot_layer_times, plot_step_timelines
 
@@ -51,15 +52,11 @@ def pruned_model(path: Path) -> Path:
 
 
 def endor_store(model_path: Path, store_path: Path):
-    """The Endor store of `model_path` (compressed now if missing) and the model's layout."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The Endor store of `model_path`, compressed now if missing."""
+    from flashlm.endor.store import EndorStore, convert_endor, meta_model_layout
 
-    from flashlm.endor.store import EndorStore, convert_endor, endor_layout
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
     if not store_path.exists():
-        convert_endor(model_path, store_path, endor_layout(model))
+        convert_endor(model_path, store_path, meta_model_layout(model_path))
     return EndorStore.open(store_path)
 
 
@@ -113,12 +110,7 @@ def main() -> None:
     store = endor_store(model, work / "store.endor")
     dense_layer = store.layers[0].dense_bytes
     compressed_layer = max(layer.data_bytes for layer in store.layers)
-    largest_linear = max(
-        rows * cols * store.dtype.itemsize
-        for layer in store.layers
-        for rows, cols in (linear.shape for linear in layer.linears.values())
-    )
-    overhead = 2 * compressed_layer + largest_linear
+    overhead = working_bytes(store)
     budget = Budget.parse(args.memory_budget).resolve(store.dense_nbytes())
     memory_layers = min(budget // dense_layer, store.num_layers)
     print(

@@ -1,4 +1,4 @@
-"""`flashlm` command line: convert, info, generate, eval ppl, eval sweep."""
+"""`flashlm` command line: convert, info, generate, calibrate, prune, eval ppl, eval sweep."""
 
 from __future__ import annotations
 
@@ -85,6 +85,21 @@ def _config(args: argparse.Namespace):
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    if args.format == "endor":
+        from .endor.store import convert_endor, meta_model_layout
+        from .errors import ConfigError
+
+        if args.kinds:
+            raise ConfigError("--kinds applies to MLP stores; an Endor store holds every decoder linear.")
+
+        store = convert_endor(
+            args.source, args.dest, meta_model_layout(args.source), overwrite=args.overwrite
+        )
+        print(
+            f"wrote {store.path}: {store.num_layers} layers, {format_bytes(store.nbytes())} compressed = "
+            f"{store.ratio:.2%} of {format_bytes(store.dense_nbytes())} dense"
+        )
+        return 0
     from .store import convert
 
     store = convert(args.source, args.dest, kinds=args.kinds, overwrite=args.overwrite)
@@ -331,6 +346,81 @@ def _add_eval_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _n_m(text: str) -> tuple[int, int]:
+    """`"2:4"` -> `(2, 4)`: keep N of every M consecutive weights, 1 <= N < M."""
+    parts = text.split(":")
+    try:
+        n, m = (int(part) for part in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N:M such as 2:4, got {text!r}") from None
+    if not 1 <= n < m:
+        raise argparse.ArgumentTypeError(f"N:M needs 1 <= N < M (keep N of every M), got {text!r}")
+    return n, m
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from .endor.prune import prune_checkpoint
+    from .models import default_model_path
+
+    model_path = Path(args.model) if args.model else default_model_path()
+    report = prune_checkpoint(
+        model_path,
+        args.out,
+        sparsity=args.sparsity,
+        n_m=args.n_m,
+        corpus=args.corpus,
+        num_windows=args.windows,
+        context_length=args.context_length,
+        overwrite=args.overwrite,
+    )
+    pattern = f"{report.n_m[0]}:{report.n_m[1]}" if report.n_m else f"{report.sparsity:g} unstructured"
+    print(
+        f"pruned {len(report.linears)} decoder linears of {model_path.name} with Wanda ({pattern}), "
+        f"calibrated on {report.tokens} tokens of {args.corpus}"
+    )
+    print(f"achieved sparsity {report.achieved_sparsity:.2%} ({report.zeros} of {report.numel} weights zero)")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _add_prune_parser(sub) -> None:
+    from .endor.prune import DEFAULT_CONTEXT_LENGTH, DEFAULT_CORPUS, DEFAULT_WINDOWS
+
+    prune = sub.add_parser(
+        "prune", help="Wanda-prune the decoder linears of a checkpoint and save the pruned checkpoint"
+    )
+    prune.add_argument(
+        "model", nargs="?", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct)"
+    )
+    prune.add_argument("out", help="directory of the pruned checkpoint to write")
+    prune.add_argument(
+        "--sparsity",
+        type=float,
+        default=None,
+        help="fraction of each row's weights to prune, in [0, 1) (default: 0.5; with --n-m, 1 - N/M)",
+    )
+    prune.add_argument("--n-m", type=_n_m, default=None, metavar="N:M", help="N:M pattern instead, e.g. 2:4")
+    prune.add_argument(
+        "--corpus",
+        default=DEFAULT_CORPUS,
+        help=f"corpus whose calibration split calibrates (default: {DEFAULT_CORPUS})",
+    )
+    prune.add_argument(
+        "--windows",
+        type=_int_at_least(1),
+        default=DEFAULT_WINDOWS,
+        help=f"calibration windows (default: {DEFAULT_WINDOWS})",
+    )
+    prune.add_argument(
+        "--context-length",
+        type=_int_at_least(2),
+        default=DEFAULT_CONTEXT_LENGTH,
+        help=f"tokens per calibration window (default: {DEFAULT_CONTEXT_LENGTH})",
+    )
+    prune.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    prune.set_defaults(func=cmd_prune)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashlm", description="Run language models larger than memory.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -339,6 +429,13 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("source", help="checkpoint directory (config.json + *.safetensors)")
     convert.add_argument("dest", help="store directory to create")
     convert.add_argument("--overwrite", action="store_true", help="replace an existing store")
+    convert.add_argument(
+        "--format",
+        choices=("mlp", "endor"),
+        default="mlp",
+        help="mlp (default): the MLP unit store of dense streaming and the sparse methods; endor: every "
+        "decoder linear of a pruned checkpoint in Endor's bitmap format",
+    )
     convert.add_argument(
         "--kinds",
         type=_list,
@@ -410,6 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_options(sweep)
     _add_runtime_options(sweep, method=False)
     sweep.set_defaults(func=cmd_eval_sweep)
+
+    _add_prune_parser(sub)
     return parser
 
 

@@ -30,7 +30,8 @@ from .._utils import format_bytes
 from ..arch import decoder_layers
 from ..config import FlashConfig
 from ..errors import BudgetTooSmallError, StoreMismatchError
-from ..store.reader import StoreReader
+from ..store.reader import StoreReader, aligned_buffer
+from ..store.rowfile import ALIGNMENT
 from .codec import Decompressor, EndorMatrix, decompress
 from .store import EndorStore, layer_placement
 
@@ -162,7 +163,7 @@ def working_bytes(store: EndorStore) -> int:
     largest = largest_linear_bytes(store)
     numel = largest // store.dtype.itemsize
     return (
-        2 * max(layer.data_bytes for layer in store.layers)
+        2 * -(-max(layer.data_bytes for layer in store.layers) // ALIGNMENT) * ALIGNMENT
         + largest
         + numel * 4
         + (numel + 1) * store.dtype.itemsize
@@ -216,9 +217,10 @@ class EndorRuntime:
                 direct_io=config.direct_io,
                 threads=config.io_threads,
                 chunk_bytes=config.io_chunk_bytes,
+                buffer_bytes=0,  # layers are read whole, straight into the staging buffers
             )
-            largest = max(compressed[index] for index in disk)
-            self._staging = [_host_buffer(largest) for _ in range(2)]
+            largest = -(-max(compressed[index] for index in disk) // ALIGNMENT) * ALIGNMENT
+            self._staging = [aligned_buffer(largest) for _ in range(2)]
         self._io = ThreadPoolExecutor(1, thread_name_prefix="flashlm-endor-io") if disk else None
         self._pending: dict[int, tuple[Future, int]] = {}
         self._loaded: _Loaded | None = None
@@ -259,12 +261,11 @@ class EndorRuntime:
 
     def _read(self, layer: int, buffer: int) -> tuple[torch.Tensor, int, float, float]:
         """On the I/O thread: layer `layer`'s data region into staging buffer `buffer`."""
-        entry = self.store.layers[layer]
-        out = self._staging[buffer][: entry.data_bytes].view(1, -1)
         before = self.reader.bytes_read
         started = perf_counter()
-        self.reader.read(layer, torch.zeros(1, dtype=torch.int64), out)
-        return out.view(-1), self.reader.bytes_read - before, started, perf_counter()
+        self.reader.read_all(layer, self._staging[buffer])
+        data = self._staging[buffer][: self.store.layers[layer].data_bytes]
+        return data, self.reader.bytes_read - before, started, perf_counter()
 
     def _submit(self, layer: int) -> tuple[Future, int]:
         buffer = self._next_buffer
@@ -368,11 +369,6 @@ def _pinned(matrix: EndorMatrix) -> EndorMatrix:
     return EndorMatrix(
         bitmap=matrix.bitmap.pin_memory(), values=matrix.values.pin_memory(), shape=matrix.shape
     )
-
-
-def _host_buffer(nbytes: int) -> torch.Tensor:
-    """A CPU byte buffer, pinned where a GPU may copy from it asynchronously."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
 
 class EndorLinear(nn.Module):

@@ -54,6 +54,15 @@ def endor_layout(model: nn.Module) -> EndorLayout:
     return [(name, layer_linears(layer)) for _, name, layer in decoder_layers(model)]
 
 
+def meta_model_layout(checkpoint_dir: str | os.PathLike) -> EndorLayout:
+    """The `endor_layout` of a checkpoint's model, built on the meta device from its config alone."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint_dir))
+    return endor_layout(model)
+
+
 def layer_file_name(layer: int) -> str:
     return f"layers/{layer:03d}.endor.safetensors"
 

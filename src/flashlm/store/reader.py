@@ -79,6 +79,11 @@ DEFAULT_MERGE_GAP_BYTES = break_even_gap_bytes(MEASURED_REQUEST_COST_S, MEASURED
 """Gap below which two runs are read as one (the latency x bandwidth model on the measured disk)."""
 
 
+def aligned_buffer(nbytes: int) -> torch.Tensor:
+    """A page-aligned CPU uint8 tensor of `nbytes` (anonymous memory), as O_DIRECT reads need."""
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
+
+
 class DirectIOUnavailableError(FlashLMError, OSError):
     """`direct_io=True` was asked for, but a store file cannot be opened with O_DIRECT."""
 
@@ -177,7 +182,8 @@ class StoreReader:
         merge_gap_bytes: runs at most this far apart are read as one (`DEFAULT_MERGE_GAP_BYTES`,
             the latency x bandwidth model; 0 merges only touching runs).
         buffer_bytes: size of the I/O buffer; a call needing more is served in batches. Default:
-            the largest file's size plus two alignment blocks, so any call fits in one batch.
+            the largest file's size plus two alignment blocks, so any call fits in one batch. 0: no
+            buffer, for a reader that serves only `read_all` (which reads into the caller's memory).
     """
 
     mode: str
@@ -214,7 +220,7 @@ class StoreReader:
             )
         if self.merge_gap_bytes < 0:
             raise ConfigError(f"merge_gap_bytes must be non-negative, got {self.merge_gap_bytes}.")
-        if wanted < min_buffer:
+        if 0 < wanted < min_buffer:
             raise ConfigError(
                 f"buffer_bytes={wanted} cannot hold one row ({largest_row} bytes) plus alignment padding: "
                 f"use at least {min_buffer}."
@@ -228,7 +234,8 @@ class StoreReader:
         self._lock = threading.Lock()
         self._closed = True  # until everything below exists
         self._open_all(direct_io)
-        self.buffer_bytes = -(-wanted // ALIGNMENT) * ALIGNMENT
+        self.buffer_bytes = max(-(-wanted // ALIGNMENT) * ALIGNMENT, ALIGNMENT)
+        self._serves_rows = wanted > 0
         self._buffer = mmap.mmap(-1, self.buffer_bytes)  # anonymous: page-aligned, as O_DIRECT needs
         self._view = memoryview(self._buffer)
         self._windows: dict[tuple[torch.dtype, int], torch.Tensor] = {}
@@ -311,6 +318,8 @@ class StoreReader:
             raise ValueError("This StoreReader is closed.")
         if key not in self.files:
             raise KeyError(f"No store file under key {key!r}.")
+        if not self._serves_rows:
+            raise ValueError("This StoreReader has no I/O buffer (buffer_bytes=0): it serves read_all only.")
         f = self.files[key]
         self._check_args(f, ids, out)
         if len(ids) == 0:
@@ -389,27 +398,54 @@ class StoreReader:
             self._windows[key] = elems.as_strided((elems.numel() - f.width + 1, f.width), (1, 1))
         return self._windows[key]
 
-    def _issue(self, fd: int, f: RowFile, requests: list[tuple[int, int, int, int]]) -> None:
-        """Run the requests, spread round-robin over the pool; update the counters."""
+    def read_all(self, key: Hashable, out: torch.Tensor) -> None:
+        """Read every row of `files[key]` straight into `out`, with no intermediate buffer or copy.
+
+        For callers that read whole files every time (an Endor layer per token): `out` is a
+        contiguous CPU uint8 tensor of at least the file's bytes rounded up to `ALIGNMENT`, and, for
+        O_DIRECT, starts at a page-aligned address (allocate it with `aligned_buffer`).
+        """
+        if self._closed:
+            raise ValueError("This StoreReader is closed.")
+        f = self.files[key]
+        length = -(-f.nbytes // ALIGNMENT) * ALIGNMENT if self.mode == "direct" else f.nbytes
+        if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous() or out.numel() < length:
+            raise ValueError(f"out must be a contiguous 1-D uint8 tensor of at least {length} bytes.")
+        if self.mode == "direct" and out.data_ptr() % mmap.PAGESIZE:
+            raise ValueError("O_DIRECT reads need a page-aligned `out`: allocate it with `aligned_buffer`.")
+        _, positions, sizes = split_chunks(np.array([0]), np.array([length]), self.chunk_bytes)
+        requests = [
+            (f.data_offset + pos, size, pos, max(0, min(size, f.nbytes - pos)))
+            for pos, size in zip(positions.tolist(), sizes.tolist(), strict=True)
+        ]
+        with self._lock:
+            self._issue(self._fds[key], f, requests, memoryview(out.numpy()))
+
+    def _issue(
+        self, fd: int, f: RowFile, requests: list[tuple[int, int, int, int]], view: memoryview | None = None
+    ) -> None:
+        """Run the requests into `view` (default: the I/O buffer), spread round-robin over the pool;
+        update the counters."""
+        view = self._view if view is None else view
         if self._pool is None or len(requests) == 1:
-            done = [self._read_requests(fd, f, requests)]
+            done = [self._read_requests(fd, f, requests, view)]
         else:
             groups = [requests[t :: self.threads] for t in range(min(self.threads, len(requests)))]
-            futures = [self._pool.submit(self._read_requests, fd, f, group) for group in groups]
+            futures = [self._pool.submit(self._read_requests, fd, f, group, view) for group in groups]
             wait(futures)  # every worker done with the buffer before any error propagates
             done = [future.result() for future in futures]
         self.bytes_read += sum(nbytes for nbytes, _ in done)
         self.reads_issued += sum(calls for _, calls in done)
 
     def _read_requests(
-        self, fd: int, f: RowFile, requests: list[tuple[int, int, int, int]]
+        self, fd: int, f: RowFile, requests: list[tuple[int, int, int, int]], view: memoryview
     ) -> tuple[int, int]:
-        """Read each `(offset, length, buffer position, needed)`; return (bytes read, syscalls)."""
+        """Read each `(offset, length, position in view, needed)`; return (bytes read, syscalls)."""
         nbytes = calls = 0
         for offset, length, pos, needed in requests:
             got = 0
             while got < length:
-                n = os.preadv(fd, [self._view[pos + got : pos + length]], offset + got)
+                n = os.preadv(fd, [view[pos + got : pos + length]], offset + got)
                 calls += 1
                 nbytes += n
                 got += n
