@@ -155,7 +155,8 @@ def main() -> None:
     header = (
         f"Endor offloading of {model} ({store.num_layers} layers, {store.dense_nbytes() / 1e6:.1f} MB of "
         f"decoder linears dense, {store.nbytes() / 1e6:.1f} MB compressed = {store.ratio:.2%}); budget "
-        f"{budget / 1e6:.1f} MB; {args.new_tokens} new tokens.\n\n"
+        f"{budget / 1e6:.1f} MB; {args.new_tokens} new tokens; Endor decompression by "
+        f"{next(r['decompression'] for r in results if 'decompression' in r)}.\n\n"
     )
     (args.out / "report.md").write_text(header + table + "\n")
     (args.out / "results.json").write_text(json.dumps(results, indent=1))

@@ -4,12 +4,14 @@ corrupted inputs, and CUDA against CPU."""
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashlm.endor import codec
+from flashlm.endor import codec, kernel
 from flashlm.endor.codec import (
     SUPPORTED_DTYPES,
     EndorMatrix,
@@ -86,6 +88,45 @@ def reference_bitmap(weight: torch.Tensor) -> list[list[int]]:
         b += [0] * (-len(b) % 8)
         packed.append([sum(bit << k for k, bit in enumerate(b[i : i + 8])) for i in range(0, len(b), 8)])
     return packed
+
+
+# ---- the two CPU decompressions: the C kernel and the torch gather -------------------------------
+
+needs_kernel = pytest.mark.skipif(
+    kernel.cpu_kernel() is None, reason="no C compiler here: the Endor C kernel is not built"
+)
+
+
+@needs_kernel
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 70),
+    dtype=st.sampled_from((*DTYPES, torch.float64)),
+    sparsity=st.floats(0.0, 1.0),
+    empty_tail=st.integers(0, 3),
+)
+def test_c_kernel_and_torch_gather_agree(seed, rows, cols, dtype, sparsity, empty_tail) -> None:
+    """Both paths are bit-exact, also where a row's values end the array (the kernel's checked path)."""
+    weight = make_weight(seed, rows, cols, dtype, sparsity, raw=True)
+    weight[rows - min(empty_tail, rows) :] = 0
+    matrix = compress(weight)
+    with patch.object(codec, "cpu_kernel", lambda: None):
+        by_torch = decompress(matrix)
+    assert torch.equal(bits(decompress(matrix)), bits(weight))
+    assert torch.equal(bits(by_torch), bits(weight))
+
+
+@needs_kernel
+def test_c_kernel_splits_large_matrices_over_threads() -> None:
+    weight = half_sparse(700, 300, torch.bfloat16)  # above PARALLEL_MIN_ELEMENTS
+    weight[-5:] = 0
+    assert weight.numel() >= kernel.PARALLEL_MIN_ELEMENTS
+    assert torch.equal(bits(decompress(compress(weight))), bits(weight))
+    with pytest.raises(EndorFormatError, match="truncated"):
+        matrix = compress(weight)
+        decompress(EndorMatrix(matrix.bitmap, matrix.values[:-1], matrix.shape))
 
 
 # ---- round trips ---------------------------------------------------------------------------------

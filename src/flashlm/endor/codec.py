@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import EndorFormatError
+from .kernel import cpu_kernel
 
 SUPPORTED_DTYPES = (
     torch.float16,
@@ -159,10 +160,8 @@ def decompress_rows(
     `out`, if given, is a contiguous [n, cols] tensor of the values' dtype on that device; it is
     filled and returned.
 
-    Branch-free, as a gather: the running count of set bits numbers each non-zero's value in
-    row-major order (Algorithm 2's k), zeros point at a leading 0 sentinel, and one `index_select`
-    writes every element. On CPU this is ~3x faster than boolean-mask assignment, whose per-element
-    branch a 50%-random mask mispredicts.
+    On the CPU the C kernel of `flashlm.endor.kernel` runs where it could be built; elsewhere, and
+    without it, a branch-free torch gather.
     """
     _check_layout(bitmap_rows, values, cols)
     if values.device != bitmap_rows.device:
@@ -180,32 +179,25 @@ def decompress_rows(
             f"out is a {tuple(out.shape)} {out.dtype} tensor on {out.device}; "
             f"expected a contiguous ({n}, {cols}) {values.dtype} tensor on {values.device}."
         )
-    numel, nnz = n * cols, values.numel()
-    index = torch.empty(numel, dtype=torch.int32 if numel < 2**31 else torch.int64, device=values.device)
-    padded = torch.empty(nnz + 1, dtype=_BITS_VIEW[values.element_size()], device=values.device)
-    _gather_into(bitmap_rows, values, cols, out, index, padded)
+    _decompress_into(bitmap_rows, values, cols, out, _Scratch(values.device))
     return out
 
 
 class Decompressor:
     """Algorithm 2 into caller-owned memory with reused scratch, for a runtime that decompresses every
-    layer every token: no call allocates more than the bitmap's unpacking (which is what made
-    in-place decompression of SmolLM2 layers ~2x slower than its arithmetic)."""
+    layer every token: after the first calls, no call allocates (fresh scratch made in-place
+    decompression of SmolLM2 layers ~2x slower than its arithmetic)."""
 
     def __init__(self, max_numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self.dtype = dtype
-        self._index = torch.empty(
-            max_numel, dtype=torch.int32 if max_numel < 2**31 else torch.int64, device=device
-        )
-        self._padded = torch.empty(max_numel + 1, dtype=_BITS_VIEW[dtype.itemsize], device=device)
+        self.max_numel = max_numel
+        self._scratch = _Scratch(self.device)
 
     @property
     def nbytes(self) -> int:
-        return (
-            self._index.numel() * self._index.element_size()
-            + self._padded.numel() * self._padded.element_size()
-        )
+        """Scratch bytes allocated so far."""
+        return self._scratch.nbytes
 
     def __call__(self, matrix: EndorMatrix, out: torch.Tensor) -> torch.Tensor:
         """Decompress `matrix` (already on this device) into `out`, a contiguous [rows, cols] tensor."""
@@ -214,29 +206,57 @@ class Decompressor:
         _check_layout(matrix.bitmap, matrix.values, cols)
         if out.shape != (rows, cols) or out.dtype != matrix.dtype or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous ({rows}, {cols}) {matrix.dtype} tensor.")
-        numel = rows * cols
-        if numel > self._index.numel() or matrix.dtype != self.dtype:
-            raise ValueError(f"This Decompressor holds {self._index.numel()} {self.dtype} elements at most.")
-        _gather_into(
-            matrix.bitmap, matrix.values, cols, out, self._index[:numel], self._padded[: matrix.nnz + 1]
-        )
+        if rows * cols > self.max_numel or matrix.dtype != self.dtype:
+            raise ValueError(f"This Decompressor holds {self.max_numel} {self.dtype} elements at most.")
+        _decompress_into(matrix.bitmap, matrix.values, cols, out, self._scratch)
         return out
 
 
-def _gather_into(
-    bitmap: torch.Tensor,
-    values: torch.Tensor,
-    cols: int,
-    out: torch.Tensor,
-    index: torch.Tensor,
-    padded: torch.Tensor,
+class _Scratch:
+    """Buffers that decompression reuses, by name, grown on demand."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        tensor = self._tensors.get(name)
+        if tensor is None or tensor.numel() < numel or tensor.dtype != dtype:
+            tensor = self._tensors[name] = torch.empty(numel, dtype=dtype, device=self.device)
+        return tensor[:numel]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+
+def _decompress_into(
+    bitmap: torch.Tensor, values: torch.Tensor, cols: int, out: torch.Tensor, scratch: _Scratch
 ) -> None:
-    """The gather of `decompress_rows`, with its index and sentinel-padded values in given scratch."""
+    """Algorithm 2 into `out` (contiguous), by the C kernel on the CPU where it is available, else by
+    a torch gather. Raises `EndorFormatError` when the bitmap and the values disagree, before reading."""
+    rows = bitmap.shape[0]
+    kernel = cpu_kernel() if values.device.type == "cpu" else None
+    if kernel is not None:
+        bitmap, values = bitmap.contiguous(), values.contiguous()
+        offsets = scratch.get("offsets", rows + 1, torch.int64)
+        found = kernel.row_offsets(bitmap, offsets)
+        if found != values.numel():
+            raise EndorFormatError(_count_mismatch(rows, found, values.numel()))
+        kernel.decompress(bitmap, values, offsets, out)
+        return
+    # Branch-free, as a gather: the running count of set bits numbers each non-zero's value in
+    # row-major order (Algorithm 2's k), zeros point at a leading 0 sentinel, and one `index_select`
+    # writes every element (~3x faster on CPU than boolean-mask assignment, whose per-element branch
+    # a 50%-random mask mispredicts).
+    numel = rows * cols
+    index = scratch.get("index", numel, torch.int32 if numel < 2**31 else torch.int64)
+    padded = scratch.get("padded", values.numel() + 1, _BITS_VIEW[values.element_size()])
     mask = _unpack(bitmap, cols).view(-1)
     torch.cumsum(mask, 0, dtype=index.dtype, out=index)
     found = int(index[-1]) if index.numel() else 0
     if found != values.numel():
-        raise EndorFormatError(_count_mismatch(bitmap.shape[0], found, values.numel()))
+        raise EndorFormatError(_count_mismatch(rows, found, values.numel()))
     index.mul_(mask)
     padded[:1] = 0
     padded[1:] = _bits(values)

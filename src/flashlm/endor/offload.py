@@ -33,6 +33,7 @@ from ..errors import BudgetTooSmallError, StoreMismatchError
 from ..store.reader import StoreReader, aligned_buffer
 from ..store.rowfile import ALIGNMENT
 from .codec import Decompressor, EndorMatrix, decompress
+from .kernel import decompression_path
 from .store import EndorStore, layer_placement
 
 PHASES = ("read", "move", "decompress", "compute")
@@ -75,6 +76,7 @@ class EndorStats:
     placement: list[str]
     linear_names: list[str]
     io_mode: str
+    decompression: str
     resident_bytes: int
     budget_bytes: int
     _columns: dict[str, int] = field(default_factory=lambda: {name: i for i, name in enumerate(STAT_FIELDS)})
@@ -119,6 +121,7 @@ class EndorStats:
     def to_dict(self) -> dict[str, Any]:
         return {
             "io_mode": self.io_mode,
+            "decompression": self.decompression,
             "resident_bytes": self.resident_bytes,
             "budget_bytes": self.budget_bytes,
             "placement": self.placement,
@@ -139,7 +142,8 @@ class EndorStats:
             f"{format_bytes(t['moved_bytes_per_step'])} moved compressed for "
             f"{format_bytes(t['dense_bytes_per_step'])} dense | read wait {ms['read']:.1f} ms, move "
             f"{ms['move']:.1f} ms, decompress {ms['decompress']:.1f} ms, compute {ms['compute']:.1f} ms | "
-            f"reads {self.io_mode} | resident {format_bytes(self.resident_bytes)} of "
+            f"reads {self.io_mode}, decompression by {self.decompression} | resident "
+            f"{format_bytes(self.resident_bytes)} of "
             f"{format_bytes(self.budget_bytes)} budget"
         )
 
@@ -347,6 +351,11 @@ class EndorRuntime:
             placement=list(self.placement),
             linear_names=list(self.linear_names),
             io_mode=self.io_mode,
+            decompression=", ".join(
+                decompression_path() if device.type == "cpu" else f"torch ops on {device}"
+                for device in self._decompressors
+            )
+            or "none yet",
             resident_bytes=self.resident_bytes,
             budget_bytes=self.budget_bytes,
         )

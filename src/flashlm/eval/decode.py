@@ -257,6 +257,7 @@ def _endor_result(snapshot, *, step_starts: list[float]) -> dict:
     last = step_starts[-1]
     return {
         "regime": snapshot.io_mode,
+        "decompression": snapshot.decompression,
         "reader_bytes_per_token": totals["bytes_read_per_step"],
         "moved_bytes_per_token": totals["moved_bytes_per_step"],
         **{
