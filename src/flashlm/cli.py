@@ -13,7 +13,7 @@ from ._utils import format_bytes
 
 METHOD_HELP = (
     "what each MLP does, a method spec: dense (default), dip, dip-ca (DIP-CA, γ 0.2), dip-ca:GAMMA, "
-    "dip-layer, dip-global, glu, gate, up, cats"
+    "dip-layer, dip-global, glu, gate, up, cats, endor (a pruned model's decoder linears, Endor-compressed)"
 )
 
 
@@ -161,6 +161,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
+    from .endor.offload import EndorStats
     from .models import default_model_path
     from .patching import stats
 
@@ -184,7 +185,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     snapshot = stats(model)
     print()
-    if args.steps:
+    if args.steps and isinstance(snapshot, EndorStats):
+        print(
+            f"{'step':>4} {'tokens':>6} {'read':>10} {'read wait ms':>12} {'decompress ms':>13} "
+            f"{'compute ms':>10}"
+        )
+        for step in snapshot.per_step():
+            print(
+                f"{step['step']:>4} {step['tokens']:>6.0f} {format_bytes(step['bytes_read']):>10} "
+                f"{1e3 * step['read_s']:>12.1f} {1e3 * step['decompress_s']:>13.1f} "
+                f"{1e3 * step['compute_s']:>10.1f}"
+            )
+    elif args.steps:
         print(
             f"{'step':>4} {'tokens':>6} {'read':>10} {'reads':>6} {'hit rate':>8} {'I/O ms':>7} "
             f"{'cache ms':>8} {'compute ms':>10}"

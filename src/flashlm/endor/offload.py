@@ -101,6 +101,25 @@ class EndorStats:
             total[f"{name}_per_step"] = total[name] / len(steps) if len(steps) else float("nan")
         return total
 
+    @property
+    def num_steps(self) -> int:
+        return int(np.unique(self.column("step")).size)
+
+    def per_step(self) -> list[dict[str, float]]:
+        """Bytes and phase times summed over layers, one dict per step; `tokens` is the step's token count."""
+        steps = self.column("step")
+        return [
+            {
+                "step": int(step),
+                "tokens": float(self.table[steps == step, self._columns["tokens"]][0]),
+                **{
+                    name: float(self.table[steps == step, self._columns[name]].sum())
+                    for name in STAT_FIELDS[4:]
+                },
+            }
+            for step in np.unique(steps)
+        ]
+
     def per_layer(self, *, decode_only: bool = True) -> list[dict[str, Any]]:
         """Per layer: its placement and the mean per-step bytes and phase times."""
         steps = self._steps(decode_only)
@@ -310,7 +329,8 @@ class EndorRuntime:
             torch.cuda.synchronize(device)
         t2 = perf_counter()
         index = self._linear_index[linear]
-        self.stats.events.append(("move", layer, index, t0, t1))
+        if moved is not matrix:
+            self.stats.events.append(("move", layer, index, t0, t1))
         self.stats.events.append(("decompress", layer, index, t1, t2))
         self._row = [
             self.stats.step,
@@ -321,7 +341,7 @@ class EndorRuntime:
             matrix.nbytes if moved is not matrix else 0,
             rows * cols * self.dtype.itemsize,
             read_s,
-            t1 - t0,
+            t1 - t0 if moved is not matrix else 0.0,
             t2 - t1,
         ]
         return out

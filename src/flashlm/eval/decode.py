@@ -206,7 +206,8 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
 
 
 class LayerTimer:
-    """Forward hooks on the decoder layers: each layer's time per decode step, and the last step's spans."""
+    """Forward hooks on the decoder layers: each layer's time per decode step, and the last step's spans
+    (ms from the step's start)."""
 
     def __init__(self, model) -> None:
         from ..arch import decoder_layers
@@ -232,9 +233,8 @@ class LayerTimer:
             if not self.step_starts:  # the prefill, before `reset`
                 return
             self.durations[index].append(ended - self._started[index])
-            self.last_step.append(
-                (index, self._started[index] - self.step_starts[-1], ended - self.step_starts[-1])
-            )
+            start = self.step_starts[-1]  # spans in ms from the step's start, as Endor's events
+            self.last_step.append((index, 1e3 * (self._started[index] - start), 1e3 * (ended - start)))
 
         return hook
 

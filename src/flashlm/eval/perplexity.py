@@ -12,7 +12,7 @@ Method specs name the DIP paper's methods and variants:
 
 | spec | FlashConfig options |
 |---|---|
-| `dense`, `dip`, `glu`, `gate`, `up`, `cats` | `method=<spec>` |
+| `dense`, `dip`, `glu`, `gate`, `up`, `cats`, `endor` | `method=<spec>` |
 | `dip-ca` | `method="dip", cache_aware=0.2` (the paper's γ) |
 | `dip-ca:<γ>` | `method="dip", cache_aware=<γ>` |
 | `dip-layer`, `dip-global` | `method="dip", threshold="layer"` / `"global"` |
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 
-PLAIN_METHODS = ("dense", "dip", "glu", "gate", "up", "cats")
+PLAIN_METHODS = ("dense", "dip", "glu", "gate", "up", "cats", "endor")
 DEFAULT_CACHE_AWARE = 0.2
 """γ of `dip-ca` without a value: the DIP paper's choice."""
 METHOD_SPECS = (*PLAIN_METHODS, "dip-ca", "dip-ca:<gamma>", "dip-layer", "dip-global")
@@ -249,9 +249,9 @@ def load_model(
 
 def release(model: torch.nn.Module) -> None:
     """Stop a flashlm model's reader threads and close its store files (the model is unusable after)."""
-    from ..patching import streaming_mlps
+    from ..patching import endor_linears, streaming_mlps
 
-    modules = streaming_mlps(model)
+    modules = streaming_mlps(model) or endor_linears(model)
     runtime = getattr(modules[0], "runtime", None) if modules else None
     if runtime is not None and hasattr(runtime, "close"):
         runtime.close()

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 PHASE_COLORS = {"read": "tab:red", "move": "tab:orange", "decompress": "tab:purple", "compute": "tab:green"}
-PLACEMENT_COLORS = {"device": "tab:green", "cpu": "tab:blue", "disk": "tab:red"}
+PLACEMENT_COLORS = {"device": "tab:olive", "cpu": "tab:blue", "disk": "tab:brown"}
 
 
 def layer_placement_of(result: dict[str, Any]) -> list[str]:
