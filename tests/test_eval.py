@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import math
+import time
 
 import pytest
 import torch
@@ -433,3 +434,18 @@ def test_plot_throughput_vs_perplexity(tmp_path):
 
 def test_corpora_names():
     assert CORPORA == ("shakespeare", "jargon", "debian-reference")
+
+
+@pytest.mark.parametrize("tiny_model_dir", ["llama", "opt"], indirect=True)
+def test_layer_timer_times_every_decoder_layer_of_a_patched_model(tiny_model_dir, tmp_path) -> None:
+    """The decode benchmark's per-layer hooks find the layers also once flashlm replaced the MLPs."""
+    from flashlm.eval.decode import LayerTimer
+
+    config = flashlm.FlashConfig(store=str(tmp_path / "store"), memory_budget="1MB")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=config)
+    timer = LayerTimer(model)
+    timer.begin_step(time.perf_counter())
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    assert [index for index, _, _ in timer.last_step] == list(range(model.config.num_hidden_layers))
+    assert all(end >= start for _, start, end in timer.last_step)

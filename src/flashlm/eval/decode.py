@@ -205,19 +205,29 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
     return result
 
 
+def _decoder_layers(model) -> list[tuple[int, Any]]:
+    """`(index, module)` of each decoder layer, also where flashlm's MLP modules replaced the MLPs (the
+    architecture table finds layers through their MLP projections): then each is their parent."""
+    from ..arch import decoder_layers
+    from ..patching import streaming_mlps
+
+    if not (modules := streaming_mlps(model)):
+        return [(index, layer) for index, _, layer in decoder_layers(model)]
+    names = {id(module): name for name, module in model.named_modules()}
+    return [(module.layer, model.get_submodule(names[id(module)].rsplit(".", 1)[0])) for module in modules]
+
+
 class LayerTimer:
     """Forward hooks on the decoder layers: each layer's time per decode step, and the last step's spans
     (ms from the step's start)."""
 
     def __init__(self, model) -> None:
-        from ..arch import decoder_layers
-
-        self.layers = decoder_layers(model)
-        self.durations: dict[int, list[float]] = {index: [] for index, _, _ in self.layers}
+        self.layers = _decoder_layers(model)
+        self.durations: dict[int, list[float]] = {index: [] for index, _ in self.layers}
         self.last_step: list[tuple[int, float, float]] = []
         self.step_starts: list[float] = []
         self._started: dict[int, float] = {}
-        for index, _, layer in self.layers:
+        for index, layer in self.layers:
             layer.register_forward_pre_hook(self._pre(index))
             layer.register_forward_hook(self._post(index))
 
