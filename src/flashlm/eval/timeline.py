@@ -45,7 +45,13 @@ def plot_step_timelines(results: list[dict[str, Any]], path: str | Path) -> Path
         else:
             placement = layer_placement_of(result)
             for index, start, end in result["last_step_layers"]:
-                ax.broken_barh([(start, end - start)], (-0.4, 0.8), color=PLACEMENT_COLORS[placement[index]])
+                ax.broken_barh(
+                    [(start, end - start)],
+                    (-0.4, 0.8),
+                    color=PLACEMENT_COLORS[placement[index]],
+                    edgecolor="white",
+                    linewidth=0.3,
+                )
             ax.set_yticks([0], ["layers"])
         ax.set_title(
             f"{result['config']}: {1e3 / result['decode_tok_s']:.0f} ms per token", fontsize=9, loc="left"
