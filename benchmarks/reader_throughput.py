@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
-import random
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -30,25 +27,14 @@ import numpy as np
 import torch
 
 from flashlm._utils import format_bytes, parse_bytes
+from flashlm.eval.decode import proc_read_bytes
+from flashlm.eval.disk import random_read_throughput, supports_direct, write_test_file
 from flashlm.store.reader import ALIGNMENT, StoreReader, break_even_gap_bytes
 from flashlm.store.rowfile import RowFile
 
 CHUNKS = [4 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20]
 THREADS = [1, 2, 4, 8, 16]
 REPO = Path(__file__).resolve().parent.parent
-
-
-def supports_direct(directory: Path) -> bool:
-    """Whether files in `directory` can be opened with O_DIRECT (tmpfs answers EINVAL)."""
-    probe = directory / ".flashlm-odirect-probe"
-    probe.write_bytes(b"\0" * ALIGNMENT)
-    try:
-        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.unlink()
 
 
 def pick_dir(requested: str | None) -> Path:
@@ -58,63 +44,6 @@ def pick_dir(requested: str | None) -> Path:
         if supports_direct(candidate):
             return candidate
     raise SystemExit(f"No O_DIRECT-capable directory among {[str(c) for c in candidates]}; pass --dir.")
-
-
-def write_test_file(path: Path, size: int) -> None:
-    """Random bytes (so no layer can compress or dedupe them), fsynced so reads hit the disk."""
-    block = np.random.default_rng(0).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes()
-    with open(path, "wb") as f:
-        for written in range(0, size, len(block)):
-            f.write(block[: min(len(block), size - written)])
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def random_reads(path: Path, chunk: int, threads: int, seconds: float) -> dict:
-    """`threads` threads each issuing O_DIRECT preads of `chunk` bytes at random aligned offsets."""
-    size = os.path.getsize(path)
-    slots = (size - chunk) // ALIGNMENT
-    stop = time.perf_counter() + seconds
-    counts = [0] * threads
-    latencies: list[list[float]] = [[] for _ in range(threads)]
-
-    def worker(t: int) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        buf = mmap.mmap(-1, chunk)
-        rng = random.Random(t)
-        try:
-            while (now := time.perf_counter()) < stop:
-                os.preadv(fd, [buf], rng.randrange(slots) * ALIGNMENT)
-                latencies[t].append(time.perf_counter() - now)
-                counts[t] += 1
-        finally:
-            os.close(fd)
-            buf.close()
-
-    start = time.perf_counter()
-    workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    elapsed = time.perf_counter() - start
-    reads = sum(counts)
-    all_lat = np.concatenate([np.asarray(lat) for lat in latencies])
-    return {
-        "chunk_bytes": chunk,
-        "threads": threads,
-        "reads": reads,
-        "seconds": elapsed,
-        "reads_per_s": reads / elapsed,
-        "bytes_per_s": reads * chunk / elapsed,
-        "latency_mean_s": float(all_lat.mean()),
-        "latency_p50_s": float(np.median(all_lat)),
-    }
-
-
-def proc_read_bytes() -> int:
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
 
 
 def honesty_check(path: Path, width: int, density: float, seconds: float) -> dict:
@@ -181,8 +110,8 @@ def main() -> None:
         cells = []
         for chunk in CHUNKS:
             for threads in THREADS:
-                cells.append(random_reads(path, chunk, threads, args.seconds))
-        latency = random_reads(path, 4096, 1, max(args.seconds, 2.0))
+                cells.append(random_read_throughput(path, chunk, threads, args.seconds))
+        latency = random_read_throughput(path, 4096, 1, max(args.seconds, 2.0))
         best = max(cells, key=lambda c: c["bytes_per_s"])
         # The smallest chunk within 10% of the best bandwidth, and the fewest threads that get it.
         good = [c for c in cells if c["bytes_per_s"] >= 0.9 * best["bytes_per_s"]]

@@ -449,3 +449,38 @@ def test_layer_timer_times_every_decoder_layer_of_a_patched_model(tiny_model_dir
         model(input_ids=torch.tensor([[1, 2, 3]]))
     assert [index for index, _, _ in timer.last_step] == list(range(model.config.num_hidden_layers))
     assert all(end >= start for _, start, end in timer.last_step)
+
+
+def test_bench_smoke_on_a_tiny_model(tiny_path, tmp_path, capsys) -> None:
+    """`flashlm bench` runs every configuration for one token and writes its report (warm regime: no root)."""
+    import json
+    import shutil
+
+    from flashlm.cli import main
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_path, model)
+    tiny_tokenizer().save_pretrained(model)
+    argv = ["bench", "--model", str(model), "--warm", "--no-disk", "--new-tokens", "1"]
+    argv += [
+        "--methods",
+        "dip@0.9",
+        "--memory-budget",
+        "1MB",
+        "--out",
+        str(tmp_path / "out"),
+        "--work",
+        str(tmp_path),
+    ]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    names = [r["config"] for r in report["results"]]
+    assert names == ["ram", "accelerate-warm", "hybrid-warm", "flashlm-dense", "flashlm-dip@0.9"]
+    naive = report["results"][1]
+    assert naive["x_naive"] == 1.0
+    assert all(r["decode_tok_s"] > 0 for r in report["results"])
+    dense = report["results"][3]
+    assert dense["tokens"] == report["results"][0]["tokens"]  # dense streaming is exact
+    assert dense["regime"] in ("direct", "buffered") or dense["regime"].startswith("buffered")
+    assert "flashlm-dip@0.9" in (tmp_path / "out" / "bench.md").read_text()
+    assert "x naive" in capsys.readouterr().out

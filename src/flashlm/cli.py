@@ -1,4 +1,4 @@
-"""`flashlm` command line: convert, info, generate, calibrate, prune, eval ppl, eval sweep."""
+"""`flashlm` command line: convert, info, generate, calibrate, prune, bench, eval ppl, eval sweep."""
 
 from __future__ import annotations
 
@@ -154,6 +154,39 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"kind {kind:<9} {layout['rows']} rows x {layout['width']} ({layout['row_bytes']} B/row), "
             f"{format_bytes(store.nbytes(kind))} in all"
         )
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from transformers import AutoConfig
+
+    from .eval import bench
+    from .models import default_model_path
+
+    model_path = Path(args.model) if args.model else default_model_path()
+    cold = not args.warm
+    if cold and os.geteuid() != 0:
+        raise SystemExit(
+            "flashlm bench drops the page cache before every decode step of the offloaded baselines, which "
+            "needs root; run as root, or pass --warm (baselines then read from the page cache, labelled "
+            "warm)."
+        )
+    config = AutoConfig.from_pretrained(model_path)
+    specs = bench.configurations(
+        memory_budget=args.memory_budget,
+        methods=args.methods,
+        num_layers=config.get_text_config().num_hidden_layers,
+        pruned=Path(args.pruned) if args.pruned else None,
+        cold=cold,
+    )
+    work = Path(args.work) if args.work else None
+    throughput = [] if args.no_disk else bench.disk_throughput(work or Path("/var/tmp"))
+    report = bench.run_bench(
+        model_path, specs, new_tokens=args.new_tokens, work_dir=work, throughput=throughput
+    )
+    json_path, md_path = bench.save(report, Path(args.out))
+    print(bench.markdown(report))
+    print(f"\nwrote {json_path} and {md_path}")
     return 0
 
 
@@ -491,6 +524,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_runtime_options(generate)
     generate.set_defaults(func=cmd_generate)
+
+    bench_parser = sub.add_parser(
+        "bench", help="decode speed of every configuration side by side: RAM, Accelerate, flashlm methods"
+    )
+    bench_parser.add_argument(
+        "--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct)"
+    )
+    bench_parser.add_argument(
+        "--memory-budget", default="50%", help="flashlm's budget: bytes or '50%%' of MLP bytes"
+    )
+    bench_parser.add_argument(
+        "--methods",
+        type=_list,
+        default=["dip@0.9", "dip-ca@0.85", "up@0.85"],
+        help="flashlm operating points, SPEC@DENSITY, comma-separated (default: dip@0.9,dip-ca@0.85,up@0.85)",
+    )
+    bench_parser.add_argument(
+        "--pruned", default=None, help="a pruned checkpoint (flashlm prune) to add Endor"
+    )
+    bench_parser.add_argument("--new-tokens", type=_int_at_least(1), default=16)
+    bench_parser.add_argument(
+        "--warm", action="store_true", help="keep the page cache (no root needed; labelled)"
+    )
+    bench_parser.add_argument("--no-disk", action="store_true", help="skip the disk throughput measurement")
+    bench_parser.add_argument(
+        "--work", default=None, help="directory for offload folders (default: /var/tmp)"
+    )
+    bench_parser.add_argument("--out", default="bench-results/bench", help="where bench.json and bench.md go")
+    bench_parser.set_defaults(func=cmd_bench)
 
     evaluation = sub.add_parser("eval", help="perplexity on offline corpora")
     eval_sub = evaluation.add_subparsers(dest="eval_command", required=True)

@@ -1,0 +1,194 @@
+"""`flashlm bench`: every configuration a user would compare, side by side in one run.
+
+Same prompt, same number of new tokens, same memory budget; each configuration in its own process
+(`flashlm.eval.decode`, so peak RSS is its own):
+
+- `ram`: plain transformers, everything in memory.
+- `accelerate-cold`: Accelerate disk offload of the MLPs (`device_map` + `offload_folder`), the naive
+  baseline; the page cache is dropped before every decode step, outside the timed region (root
+  only: a small offloaded model otherwise never leaves the page cache and reads 0 bytes per token).
+- `accelerate-warm`: the same with the page cache left alone, for reference (it reads from RAM).
+- `hybrid-cold`: Accelerate with the first half of the decoder layers in memory and the rest on disk
+  (LLM in a flash's "hybrid" baseline), page cache dropped every step.
+- `flashlm-dense`: flashlm dense streaming within the budget (O_DIRECT reads).
+- each method operating point given as `SPEC@DENSITY` (`dip@0.9`, `dip-ca@0.85`, `up@0.85`), and
+  `endor` on a pruned checkpoint (`pruned=`), all within the same budget.
+
+The report gives decode tokens/s and its ratio to the naive baseline, prefill time, bytes read from
+the device per token (`/proc/self/io`) and by flashlm's reader, reads per token, hit rate, peak RSS,
+the I/O / cache / compute split (LLM in a flash Table 3), and the physical bound: the disk's
+measured O_DIRECT random-read throughput (best over chunk sizes x threads) divided by the bytes the
+configuration reads per token, with the fraction of that bound it reached.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .decode import run_in_subprocess
+from .perplexity import parse_method_spec
+
+NAIVE = "accelerate-cold"
+THROUGHPUT_GRID = ((256 << 10, 4), (1 << 20, 4), (64 << 10, 8), (32 << 10, 4), (4 << 10, 4))
+"""(chunk bytes, threads) cells measured for the bound: from the reader's defaults to small reads."""
+
+
+def configurations(
+    *,
+    memory_budget: str,
+    methods: list[str],
+    num_layers: int,
+    pruned: Path | None = None,
+    cold: bool = True,
+) -> list[dict[str, Any]]:
+    """The specs `flashlm.eval.decode` runs, in report order. `methods` are `SPEC@DENSITY` strings."""
+    regime = "accelerate-cold" if cold else "accelerate-warm"
+    specs: list[dict[str, Any]] = [
+        {"name": "ram", "kind": "ram"},
+        {"name": regime, "kind": regime},
+    ]
+    if cold:
+        specs.append({"name": "accelerate-warm", "kind": "accelerate-warm"})
+    specs.append(
+        {
+            "name": "hybrid" + regime.removeprefix("accelerate"),
+            "kind": regime,
+            "memory_layers": num_layers // 2,
+        }
+    )
+    specs.append({"name": "flashlm-dense", "kind": "flashlm", "options": {"memory_budget": memory_budget}})
+    for method in methods:
+        spec, _, density = method.partition("@")
+        options = {**parse_method_spec(spec), "density": float(density) if density else 1.0}
+        options.pop("sequential_prefill", None)  # decoding is token by token anyway
+        specs.append(
+            {
+                "name": f"flashlm-{method}",
+                "kind": "flashlm",
+                "options": {**options, "memory_budget": memory_budget},
+            }
+        )
+    if pruned is not None:
+        specs.append(
+            {
+                "name": "flashlm-endor",
+                "kind": "flashlm",
+                "model": str(pruned),
+                "options": {"method": "endor", "memory_budget": memory_budget},
+            }
+        )
+    return specs
+
+
+def disk_throughput(directory: Path, *, seconds: float = 0.5, size: int = 256 << 20) -> list[dict[str, Any]]:
+    """O_DIRECT random-read throughput of the disk under `directory`, per `THROUGHPUT_GRID` cell (a test
+    file of `size` random bytes is written there and removed). Empty where O_DIRECT is refused."""
+    from .disk import random_read_throughput, supports_direct, write_test_file
+
+    if not supports_direct(directory):
+        return []
+    path = directory / f".flashlm-bench-{os.getpid()}.bin"
+    try:
+        write_test_file(path, size)
+        return [random_read_throughput(path, chunk, threads, seconds) for chunk, threads in THROUGHPUT_GRID]
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def run_bench(
+    model_path: Path,
+    specs: list[dict[str, Any]],
+    *,
+    new_tokens: int,
+    work_dir: Path | None = None,
+    throughput: list[dict[str, Any]] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run every spec and return `{"results": [...], "throughput": [...]}`, each result with its ratio to
+    the naive baseline and its fraction of the disk bound added."""
+    from tqdm.auto import tqdm
+
+    work = work_dir or Path(
+        tempfile.mkdtemp(prefix="flashlm-bench-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
+    )
+    results = []
+    bar = tqdm(specs, desc="flashlm bench", unit="config", disable=not progress)
+    for spec in bar:
+        bar.set_postfix_str(spec["name"])
+        result = run_in_subprocess(spec, model_path, new_tokens=new_tokens, offload_dir=work / spec["name"])
+        result.update({key: spec[key] for key in ("memory_layers", "model") if key in spec})
+        results.append(result)
+    best = max((cell["bytes_per_s"] for cell in throughput or []), default=math.nan)
+    naive = next((r for r in results if r["config"] in (NAIVE, "accelerate-warm")), None)
+    for result in results:
+        result["x_naive"] = result["decode_tok_s"] / naive["decode_tok_s"] if naive else math.nan
+        per_token = result.get("reader_bytes_per_token") or result["proc_read_bytes_per_token"]
+        result["bound_tok_s"] = best / per_token if per_token > 0 else math.inf
+        # A configuration that reads nothing has no disk bound.
+        result["fraction_of_bound"] = (
+            result["decode_tok_s"] / result["bound_tok_s"] if per_token > 0 else math.nan
+        )
+    return {"results": results, "throughput": throughput or [], "best_throughput": best}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as a markdown table, with the disk measurement under it."""
+    head = (
+        "| configuration | regime | decode tok/s | x naive | prefill s | read/token (/proc) MB "
+        "| reader MB/token | reads/token | hit rate | I/O / cache / compute ms | peak RSS MB | bound tok/s "
+        "| of bound | tokens = ram |"
+    )
+    lines = [head, "|" + "---|" * 14]
+    ram = next((r for r in report["results"] if r["kind"] == "ram"), None)
+
+    def number(value: float | None, fmt: str) -> str:
+        return (
+            "—" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
+        )
+
+    for r in report["results"]:
+        split = (
+            f"{r['io_ms']:.1f} / {r['cache_ms']:.1f} / {r['compute_ms']:.1f}"
+            if "io_ms" in r
+            else (
+                f"{r['read_ms']:.1f} / — / {r['decompress_ms'] + r['compute_ms']:.1f}"
+                if "read_ms" in r
+                else "—"
+            )
+        )
+        reader = r.get("reader_bytes_per_token")
+        bound = r["bound_tok_s"]
+        lines.append(
+            f"| {r['config']} | {r['regime']} | {r['decode_tok_s']:.2f} | {number(r['x_naive'], '.2f')} "
+            f"| {r['prefill_s']:.2f} | {r['proc_read_bytes_per_token'] / 1e6:.1f} "
+            f"| {number(reader / 1e6 if reader is not None else None, '.1f')} "
+            f"| {number(r.get('reads_per_token'), '.0f')} "
+            f"| {number(r.get('hit_rate'), '.1%')} | {split} | {r['peak_rss'] / 1e6:.0f} "
+            f"| {'∞' if math.isinf(bound) else number(bound, '.1f')} "
+            f"| {number(r['fraction_of_bound'], '.1%')} "
+            f"| {'yes' if ram and r['tokens'] == ram['tokens'] else ('—' if 'model' in r else 'NO')} |"
+        )
+    if report["throughput"]:
+        cells = ", ".join(
+            f"{c['chunk_bytes'] >> 10} KiB x {c['threads']}: {c['bytes_per_s'] / 1e6:.0f} MB/s"
+            for c in report["throughput"]
+        )
+        lines.append(f"\nDisk (O_DIRECT random reads): {cells}. Bound = best / bytes read per token.")
+    lines.append(
+        "\nEndor's split column shows read wait / — / decompress + compute. Tokens of `endor` (a pruned "
+        "model) are not compared with the dense model's."
+    )
+    return "\n".join(lines)
+
+
+def save(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
+    """Write `bench.json` and `bench.md` under `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "bench.md").write_text(markdown(report) + "\n")
+    return out / "bench.json", out / "bench.md"
