@@ -180,6 +180,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cold=cold,
     )
     work = Path(args.work) if args.work else None
+    if work is not None:
+        work.mkdir(parents=True, exist_ok=True)
     throughput = [] if args.no_disk else bench.disk_throughput(work or Path("/var/tmp"))
     report = bench.run_bench(
         model_path, specs, new_tokens=args.new_tokens, work_dir=work, throughput=throughput
