@@ -1,4 +1,4 @@
-"""`flashlm` command line: convert, info, generate, calibrate, prune, bench, eval ppl, eval sweep."""
+"""`flashlm` command line: convert, info, generate, calibrate, prune, bench, simulate, eval."""
 
 from __future__ import annotations
 
@@ -160,6 +160,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
+    from .config import Budget
     from .eval import bench
     from .models import default_model_path
 
@@ -172,8 +173,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "warm)."
         )
     config = AutoConfig.from_pretrained(model_path)
+    budget = Budget.parse(args.memory_budget).resolve(bench.mlp_bytes(model_path))
+    print(f"memory budget {format_bytes(budget)} for every flashlm configuration")
     specs = bench.configurations(
-        memory_budget=args.memory_budget,
+        memory_budget=budget,
         methods=args.methods,
         num_layers=config.get_text_config().num_hidden_layers,
         pruned=Path(args.pruned) if args.pruned else None,
@@ -534,7 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct)"
     )
     bench_parser.add_argument(
-        "--memory-budget", default="50%", help="flashlm's budget: bytes or '50%%' of MLP bytes"
+        "--memory-budget",
+        default="50%",
+        help="flashlm's budget: bytes or '50%%' of the MLP bytes (the same bytes for every flashlm row)",
     )
     bench_parser.add_argument(
         "--methods",
@@ -555,6 +560,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_parser.add_argument("--out", default="bench-results/bench", help="where bench.json and bench.md go")
     bench_parser.set_defaults(func=cmd_bench)
+
+    from .sim.cli import add_simulate_parser
+
+    add_simulate_parser(sub)
 
     evaluation = sub.add_parser("eval", help="perplexity on offline corpora")
     eval_sub = evaluation.add_subparsers(dest="eval_command", required=True)

@@ -1,0 +1,148 @@
+"""`flashlm simulate`: latency per token of a model on a hardware profile, from the cost model.
+
+Self-contained so that `flashlm.cli.build_parser` only has to call `add_simulate_parser(sub)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .._utils import format_bytes, parse_bytes
+from ..errors import ConfigError
+from ..trace import Trace
+from .hardware import PRESETS, get_preset
+from .simulator import (
+    ANALYTIC_POLICIES,
+    MODEL_PRESETS,
+    TRACE_POLICIES,
+    AnalyticDemand,
+    ModelDims,
+    Workload,
+    simulate,
+)
+
+
+def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the `simulate` subcommand (its handler is `cmd_simulate`, set as `func`)."""
+    parser = subparsers.add_parser(
+        "simulate",
+        help="simulate latency per token on a hardware profile (DIP app. A, LLM in a flash cost model)",
+        description=(
+            "Latency per token (flash I/O + memory management + compute), hit rate and tokens/s of a "
+            "model on a hardware profile, with attention, embeddings and KV cache resident and the rest "
+            "of memory split across MLP layers as their neuron cache."
+        ),
+    )
+    parser.add_argument(
+        "--hardware", default="a18", help=f"hardware preset: {', '.join(PRESETS)} (default a18)"
+    )
+    parser.add_argument(
+        "--model",
+        required=True,
+        help=f"model: a preset ({', '.join(MODEL_PRESETS)}) or a Hugging Face config.json or its folder",
+    )
+    parser.add_argument(
+        "--bits", type=float, default=16.0, help="bits per weight for a config.json model (default 16)"
+    )
+    parser.add_argument(
+        "--trace", default=None, help="a trace saved by a flashlm run (replayed through the cache)"
+    )
+    parser.add_argument(
+        "--policy",
+        default="lfu",
+        help=f"analytic: {', '.join(ANALYTIC_POLICIES)}; trace: {', '.join(TRACE_POLICIES)} (default lfu)",
+    )
+    parser.add_argument(
+        "--density", type=float, default=1.0, help="analytic: MLP units used per token (default 1)"
+    )
+    parser.add_argument(
+        "--bundled", action="store_true", help="analytic: a unit's rows are read as one chunk"
+    )
+    parser.add_argument(
+        "--load-fraction", type=float, default=None, help="analytic window: MLP fraction loaded per token"
+    )
+    parser.add_argument(
+        "--window-fraction", type=float, default=None, help="analytic window: MLP fraction kept resident"
+    )
+    parser.add_argument("--window", type=int, default=5, help="trace window policy: window in tokens")
+    parser.add_argument("--warmup", type=int, default=0, help="trace: leading steps left out of the means")
+    parser.add_argument("--context", type=int, default=0, help="context length held in the KV cache")
+    parser.add_argument(
+        "--dram",
+        default=None,
+        help="override DRAM, e.g. 4GB (holds the weights unless the profile has a GPU)",
+    )
+    parser.add_argument(
+        "--flash-bandwidth", default=None, help="override flash with one flat speed per second, e.g. 1GB"
+    )
+    parser.add_argument("--no-compute", action="store_true", help="leave compute out (as DIP's simulator)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.set_defaults(func=cmd_simulate)
+    return parser
+
+
+def _model(spec: str, bits: float) -> ModelDims:
+    if spec in MODEL_PRESETS:
+        return MODEL_PRESETS[spec]
+    if Path(spec).exists():
+        return ModelDims.from_hf_config(spec, bytes_per_weight=bits / 8)
+    raise ConfigError(
+        f"--model {spec!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor a config.json path."
+    )
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Run one simulation and print a table (or JSON with --json)."""
+    profile = get_preset(args.hardware)
+    if args.dram is not None or args.flash_bandwidth is not None:
+        profile = profile.with_overrides(
+            dram_bytes=None if args.dram is None else float(parse_bytes(args.dram)),
+            flash_bandwidth=None
+            if args.flash_bandwidth is None
+            else float(parse_bytes(args.flash_bandwidth)),
+        )
+    model = _model(args.model, args.bits)
+    if args.trace is not None:
+        demand: AnalyticDemand | Trace = Trace.load(args.trace)
+    else:
+        demand = AnalyticDemand(
+            density=args.density,
+            bundled=args.bundled,
+            load_fraction=args.load_fraction,
+            window_fraction=args.window_fraction,
+        )
+    workload = Workload(model, demand, context_length=args.context)
+    result = simulate(
+        profile,
+        workload,
+        policy=args.policy,
+        window=args.window,
+        warmup=args.warmup,
+        include_compute=not args.no_compute,
+    )
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    alloc = result.allocation
+    rows = [
+        ("hardware", result.hardware),
+        ("model", f"{result.model} ({format_bytes(model.weight_bytes)})"),
+        ("policy", result.policy + (" (trace)" if args.trace else " (analytic)")),
+        ("resident memory", format_bytes(alloc.resident_bytes)),
+        ("  static (attn, emb, aux)", format_bytes(alloc.static_bytes)),
+        ("  KV cache", format_bytes(alloc.kv_bytes)),
+        ("  MLP cache", f"{format_bytes(alloc.mlp_cache_bytes)} of {format_bytes(alloc.mlp_bytes)}"),
+        ("flash per token", format_bytes(result.flash_bytes_per_token)),
+        ("hit rate", f"{result.hit_rate:.1%}"),
+        ("flash I/O", f"{result.io_s * 1e3:.1f} ms"),
+        ("memory management", f"{result.memory_management_s * 1e3:.1f} ms"),
+        ("compute", f"{result.compute_s * 1e3:.1f} ms"),
+        ("latency per token", f"{result.latency_s * 1e3:.1f} ms"),
+        ("tokens/s", f"{result.tokens_per_s:.3f}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    return 0
