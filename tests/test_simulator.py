@@ -25,8 +25,10 @@ from flashlm.sim.simulator import (
     ModelDims,
     Workload,
     allocate,
+    plan_trace_reads,
     simulate,
 )
+from flashlm.store.reader import DEFAULT_CHUNK_BYTES, DEFAULT_MERGE_GAP_BYTES, plan_reads, split_chunks
 from flashlm.trace import TraceRecorder
 
 TOLERANCE = 0.10
@@ -245,12 +247,90 @@ def test_trace_workload_agrees_with_replay(policy):
     static = model.attention_bytes + model.embedding_bytes
     profile = PRESETS["this-machine"].with_overrides(dram_bytes=static + 0.25 * mlp)
     result = simulate(profile, Workload(model, trace), policy=policy, include_compute=False)
-    expected = replay(trace, capacity=0.25, policy=policy)
-    assert result.flash_bytes_per_token == pytest.approx(expected.bytes_per_step)
+    expected = replay(trace, capacity=0.25, policy=policy, record_misses=True)
+    sizes = np.concatenate([plan_trace_reads(missed, 4096, 64) for missed in expected.missed_ids.values()])
     assert result.hit_rate == pytest.approx(expected.hit_rate)
-    assert result.io_s == pytest.approx(expected.bytes_per_step / profile.flash_bandwidth(4096))
+    assert result.flash_bytes_per_token == pytest.approx(sizes.sum() / trace.num_steps)
+    # 4096-byte rows are aligned: the plan reads every miss, plus the gaps it merges over.
+    assert result.flash_bytes_per_token >= expected.bytes_per_step
+    assert result.io_s == pytest.approx(
+        sum(size / profile.flash_bandwidth(float(size)) for size in sizes) / trace.num_steps
+    )
     if policy == "none":
         assert result.hit_rate == 0
+
+
+def test_replay_records_misses_only_when_asked():
+    trace = _trace()
+    plain = replay(trace, capacity=0.25, policy="lfu")
+    recorded = replay(trace, capacity=0.25, policy="lfu", record_misses=True)
+    assert plain.missed_ids is None
+    np.testing.assert_array_equal(plain.misses, recorded.misses)
+    counts = sum(np.array([len(ids) for ids in missed]) for missed in recorded.missed_ids.values())
+    np.testing.assert_array_equal(counts, recorded.misses)
+    for missed in recorded.missed_ids.values():
+        assert all(np.all(np.diff(ids) > 0) for ids in missed)
+
+
+@pytest.mark.parametrize("unit_bytes", [1152, 4096, 6144])
+def test_trace_bytes_follow_the_readers_plan(unit_bytes):
+    """Planned bytes are `plan_reads`' aligned runs over each step's misses; merged requests <= misses."""
+    trace = _trace(num_units=256, unit_bytes=unit_bytes)
+    model = _tiny_model()
+    profile = PRESETS["this-machine"]
+    capacities = {key: 40 for key in trace.layer_kinds()}
+    result = simulate(
+        profile, Workload(model, trace), policy="lru", capacities=capacities, include_compute=False
+    )
+    expected = replay(trace, capacity=capacities, policy="lru", record_misses=True)
+    planned_bytes, requests = 0, 0
+    for missed in expected.missed_ids.values():
+        for ids in missed:
+            if len(ids) == 0:
+                continue
+            plan = plan_reads(
+                ids,
+                unit_bytes,
+                4096,
+                alignment=4096,
+                merge_gap_bytes=DEFAULT_MERGE_GAP_BYTES,
+                max_run_bytes=256 * unit_bytes + 2 * 4096,
+            )
+            planned_bytes += plan.nbytes
+            requests += len(split_chunks(plan.run_starts, plan.run_ends, DEFAULT_CHUNK_BYTES)[0])
+    assert result.flash_bytes_per_token == pytest.approx(planned_bytes / trace.num_steps)
+    assert result.flash_requests_per_token == pytest.approx(requests / trace.num_steps)
+    assert 0 < requests <= expected.misses.sum()
+    assert result.chunk_bytes == pytest.approx(planned_bytes / requests)
+
+
+def test_plan_trace_reads_merges_and_chunks():
+    # Rows 0-1 and 20 of 4096 bytes: 16 blocks apart (64 KiB > 40 KiB gap) -> two requests; with
+    # a 1 MiB gap one run of 21 blocks; 64 adjacent rows: 256 KiB, one request; 65: two.
+    assert plan_trace_reads(np.array([0, 1, 20]), 4096, 100).tolist() == [8192, 4096]
+    assert plan_trace_reads(np.array([0, 1, 20]), 4096, 100, merge_gap_bytes=1 << 20).tolist() == [21 * 4096]
+    assert plan_trace_reads(np.arange(64), 4096, 100).tolist() == [DEFAULT_CHUNK_BYTES]
+    assert plan_trace_reads(np.arange(65), 4096, 100).tolist() == [DEFAULT_CHUNK_BYTES, 4096]
+    # A 1152-byte row straddling a block boundary reads both blocks.
+    assert plan_trace_reads(np.array([3]), 1152, 100).tolist() == [8192]
+    assert plan_trace_reads([np.array([], dtype=np.int64)], 4096, 100).tolist() == []
+
+
+def test_trace_with_explicit_capacities_reproduces_replay():
+    trace = _trace()
+    model = _tiny_model()
+    capacities = {(0, "ffn"): 7, (1, "ffn"): 20}
+    expected = replay(trace, capacity=capacities, policy="lfu")
+    for given in (capacities, {"0/ffn": 7, "1/ffn": 20}):
+        result = simulate(PRESETS["this-machine"], Workload(model, trace), policy="lfu", capacities=given)
+        assert result.hit_rate == pytest.approx(expected.hit_rate)
+        assert result.allocation.mlp_cache_bytes == 27 * 4096
+    uniform = simulate(PRESETS["this-machine"], Workload(model, trace), policy="lfu")
+    assert uniform.hit_rate != pytest.approx(expected.hit_rate)
+    with pytest.raises(ConfigError, match="capacity"):
+        simulate(PRESETS["this-machine"], Workload(model, trace), policy="lfu", capacities={(0, "ffn"): 7})
+    with pytest.raises(ConfigError, match="trace workload only"):
+        simulate(PRESETS["this-machine"], Workload(model), capacities=capacities)
 
 
 def test_trace_warmup_drops_leading_steps():
@@ -258,8 +338,9 @@ def test_trace_warmup_drops_leading_steps():
     model = _tiny_model()
     profile = PRESETS["this-machine"]
     result = simulate(profile, Workload(model, trace), policy="lru", warmup=10)
-    expected = replay(trace, capacity=1.0, policy="lru")
-    assert result.flash_bytes_per_token == pytest.approx(float(np.mean(expected.bytes_read[10:])))
+    expected = replay(trace, capacity=1.0, policy="lru", record_misses=True)
+    planned = sum(plan_trace_reads(missed[10:], 4096, 64).sum() for missed in expected.missed_ids.values())
+    assert result.flash_bytes_per_token == pytest.approx(planned / 20)
     with pytest.raises(ConfigError, match="warmup"):
         simulate(profile, Workload(model, trace), policy="lru", warmup=30)
 

@@ -191,6 +191,7 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
             hit_rate=totals["hit_rate"],
             mlp_density=totals["density"],
             io_ms=1e3 * totals["io_s_per_step"],
+            io_busy_ms=1e3 * totals["io_busy_s_per_step"],
             cache_ms=1e3 * totals["cache_s_per_step"],
             compute_ms=1e3 * totals["compute_s_per_step"],
             resident_bytes=snapshot.resident_bytes,

@@ -134,7 +134,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         ("  static (attn, emb, aux)", format_bytes(alloc.static_bytes)),
         ("  KV cache", format_bytes(alloc.kv_bytes)),
         ("  MLP cache", f"{format_bytes(alloc.mlp_cache_bytes)} of {format_bytes(alloc.mlp_bytes)}"),
-        ("flash per token", format_bytes(result.flash_bytes_per_token)),
+        (
+            "flash per token",
+            f"{format_bytes(result.flash_bytes_per_token)} in {result.flash_requests_per_token:.0f} requests",
+        ),
         ("hit rate", f"{result.hit_rate:.1%}"),
         ("flash I/O", f"{result.io_s * 1e3:.1f} ms"),
         ("memory management", f"{result.memory_management_s * 1e3:.1f} ms"),

@@ -36,6 +36,8 @@ class ReplayResult:
         capacities: slots of each (layer, kind) cache.
         hits, misses: per-step unit counts (int64 arrays of length `num_steps`).
         bytes_read: per-step bytes read from flash (misses × unit bytes).
+        missed_ids: with `replay(..., record_misses=True)`, each (layer, kind)'s missed unit ids,
+            one sorted int64 array per step; None otherwise.
     """
 
     policy: str
@@ -44,6 +46,7 @@ class ReplayResult:
     misses: np.ndarray
     bytes_read: np.ndarray
     metadata: dict[str, Any] = field(default_factory=dict)
+    missed_ids: dict[tuple[int, str], list[np.ndarray]] | None = None
 
     @property
     def num_steps(self) -> int:
@@ -121,6 +124,7 @@ def replay(
     policy: str,
     window: int = 5,
     progress: bool = False,
+    record_misses: bool = False,
 ) -> ReplayResult:
     """Replay `trace` through one neuron cache per (layer, kind) under `policy`.
 
@@ -132,6 +136,8 @@ def replay(
             given each layer's future requests), "none" (no cache: every unit is read every step).
         window: the sliding window in steps, for `"window"`.
         progress: show a progress bar over the (layer, kind) caches.
+        record_misses: keep each step's missed ids per (layer, kind) in `ReplayResult.missed_ids`
+            (what a read plan needs; off by default, the counts are enough for bytes).
 
     Raises `ConfigError` for an unknown policy or an invalid capacity.
     """
@@ -143,6 +149,7 @@ def replay(
     misses = np.zeros(trace.num_steps, dtype=np.int64)
     bytes_read = np.zeros(trace.num_steps, dtype=np.int64)
 
+    missed_ids: dict[tuple[int, str], list[np.ndarray]] | None = {} if record_misses else None
     keys = trace.layer_kinds()
     if progress:
         from tqdm.auto import tqdm
@@ -161,11 +168,16 @@ def replay(
         empty_rows = torch.empty(n, 0, dtype=torch.float16)
         step_hits = np.zeros(trace.num_steps, dtype=np.int64)
         step_misses = np.zeros(trace.num_steps, dtype=np.int64)
+        step_missed: list[np.ndarray] = []
         for step, ids in enumerate(requests):
             hit_ids, _hit_slots, miss_ids = cache.lookup(ids)
             cache.update(ids, miss_ids, empty_rows[: miss_ids.numel()], step)
             step_hits[step] = hit_ids.numel()
             step_misses[step] = miss_ids.numel()
+            if missed_ids is not None:
+                step_missed.append(np.sort(miss_ids.numpy().astype(np.int64)))
+        if missed_ids is not None:
+            missed_ids[(layer, kind)] = step_missed
         hits += step_hits
         misses += step_misses
         bytes_read += step_misses * unit_bytes[kind]
@@ -176,4 +188,5 @@ def replay(
         misses=misses,
         bytes_read=bytes_read,
         metadata=trace.metadata,
+        missed_ids=missed_ids,
     )

@@ -14,7 +14,14 @@ One cost model for DIP's hardware simulator (appendix A) and LLM in a flash's (Â
   reports them:
   - flash I/O: missed bytes at the profile's flash throughput: sequential for a long contiguous
     read (what a dense layer's uncached remainder is), the chunk-size-dependent scattered rate for
-    individual units (one unit, or one bundle of a unit's rows across the MLP matrices);
+    individual units (one unit, or one bundle of a unit's rows across the MLP matrices). For a
+    trace, each step's misses of each (layer, kind) are planned as flashlm's `StoreReader` reads
+    them (`plan_trace_reads`: 4096-aligned extents, runs less than the merge gap apart merged,
+    requests of at most `DEFAULT_CHUNK_BYTES`); the bytes are the planned ones (over-read
+    included) and each request takes `size / profile.flash_bandwidth(size)`. The profile's table
+    is measured throughput at the reader's concurrency (4 threads for "this-machine"), so it
+    already carries the per-request cost amortized over the requests in flight; no separate
+    latency term is added;
   - memory management: every loaded byte written once into DRAM (and, with a GPU, sent once over
     PCIe);
   - compute: decode GEMVs are memory-bound, so every weight the token uses and the KV cache are read
@@ -44,11 +51,16 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import ConfigError, UnsupportedArchitectureError
+from ..store.reader import DEFAULT_CHUNK_BYTES, DEFAULT_MERGE_GAP_BYTES, plan_reads, split_chunks
+from ..store.rowfile import ALIGNMENT
 from ..trace import Trace
 from .hardware import HardwareProfile
 from .replay import REPLAY_POLICIES, replay
@@ -339,8 +351,12 @@ class SimulationResult:
         io_s, memory_management_s, compute_s: latency per token, by component (seconds).
         flash_bytes_per_token: bytes read from flash per token.
         hit_rate: fraction of the MLP units (analytic: bytes) a token needed that were resident.
-        chunk_bytes: size of one scattered flash read (0 when all reads were sequential).
+        chunk_bytes: size of one scattered flash read (0 when all reads were sequential); for a
+            trace, the mean planned request size.
         allocation: the static allocation used.
+        flash_requests_per_token: scattered flash requests per token (a trace: the reader's
+            planned requests; analytic demand: one per missed unit or bundle); long sequential
+            reads are not counted.
     """
 
     hardware: str
@@ -353,6 +369,7 @@ class SimulationResult:
     hit_rate: float
     chunk_bytes: float
     allocation: Allocation
+    flash_requests_per_token: float = 0.0
 
     @property
     def latency_s(self) -> float:
@@ -378,6 +395,7 @@ def simulate(
     window: int = 5,
     warmup: int = 0,
     include_compute: bool = True,
+    capacities: Mapping[tuple[int, str] | str, int] | None = None,
 ) -> SimulationResult:
     """Mean latency per token of `workload` on `profile` under `policy`.
 
@@ -388,6 +406,9 @@ def simulate(
         window: the sliding window in tokens, for policy "window" on a trace.
         warmup: for a trace, leading steps left out of the means (the cache filling up).
         include_compute: add the memory-bound compute term (DIP's simulator leaves it out).
+        capacities: for a trace, the slots of every (layer, kind) cache, keyed `(layer, kind)` or
+            `"layer/kind"` (a decode result's `capacities`), instead of the uniform split: the
+            replay then reproduces that run's hits and misses. Not for analytic demand.
 
     Raises `ConfigError` for an unknown policy, a window demand without its figures, memory too
     small for the static allocation, or a warmup that leaves no step.
@@ -397,7 +418,11 @@ def simulate(
             raise ConfigError(
                 f"Unknown policy {policy!r} for a trace. Available: {', '.join(TRACE_POLICIES)}."
             )
-        return _simulate_trace(profile, workload, workload.demand, policy, window, warmup, include_compute)
+        return _simulate_trace(
+            profile, workload, workload.demand, policy, window, warmup, include_compute, capacities
+        )
+    if capacities is not None:
+        raise ConfigError("capacities apply to a trace workload only.")
     if policy not in ANALYTIC_POLICIES:
         raise ConfigError(
             f"Policy {policy!r} needs a recorded trace (--trace); analytic demand takes "
@@ -422,6 +447,7 @@ def _finish(
     hit_rate: float,
     chunk_bytes: float,
     include_compute: bool,
+    flash_requests: float,
 ) -> SimulationResult:
     """Add memory management and compute to the I/O and package the result."""
     mm_s = flash_bytes / profile.dram_bandwidth
@@ -443,6 +469,7 @@ def _finish(
         hit_rate=hit_rate,
         chunk_bytes=chunk_bytes,
         allocation=allocation,
+        flash_requests_per_token=flash_requests,
     )
 
 
@@ -499,7 +526,67 @@ def _simulate_analytic(
         hit_rate=hits / needed if needed else 0.0,
         chunk_bytes=chunk if scattered_bytes else 0.0,
         include_compute=include_compute,
+        flash_requests=scattered_bytes / chunk,
     )
+
+
+def plan_trace_reads(
+    missed_ids: list[np.ndarray] | np.ndarray,
+    row_bytes: int,
+    num_units: int,
+    *,
+    merge_gap_bytes: int = DEFAULT_MERGE_GAP_BYTES,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> np.ndarray:
+    """The request sizes (bytes) flashlm's `StoreReader` issues to read `missed_ids` of one file.
+
+    Follows the reader exactly (O_DIRECT mode): `plan_reads` widens each row to `ALIGNMENT`
+    (4096-byte) extents and merges runs at most `merge_gap_bytes` apart, then `split_chunks` cuts
+    each run into requests of at most `chunk_bytes`. `missed_ids` are sorted unique ids, one call
+    (an array) or several (a list: their requests concatenated). Store files start their rows at
+    a multiple of `ALIGNMENT`, so offset 0 gives the same extents. The reader's I/O buffer holds a
+    whole file, so runs are never cut to fit it.
+    """
+    calls = [missed_ids] if isinstance(missed_ids, np.ndarray) else missed_ids
+    sizes = []
+    for ids in calls:
+        if len(ids) == 0:
+            continue
+        plan = plan_reads(
+            np.asarray(ids, dtype=np.int64),
+            int(row_bytes),
+            0,
+            alignment=ALIGNMENT,
+            merge_gap_bytes=merge_gap_bytes,
+            max_run_bytes=num_units * int(row_bytes) + 2 * ALIGNMENT,
+        )
+        _, _, length = split_chunks(plan.run_starts, plan.run_ends, chunk_bytes)
+        sizes.append(length)
+    return np.concatenate(sizes) if sizes else np.zeros(0, dtype=np.int64)
+
+
+def _request_seconds(profile: HardwareProfile, sizes: np.ndarray) -> float:
+    """Time of scattered requests of these sizes: each at the profile's throughput for its size."""
+    unique, counts = np.unique(sizes, return_counts=True)
+    return float(
+        sum(
+            count * size / profile.flash_bandwidth(float(size))
+            for size, count in zip(unique, counts, strict=True)
+        )
+    )
+
+
+def _normalize_capacities(capacities: Mapping[tuple[int, str] | str, int]) -> dict[tuple[int, str], int]:
+    """`{(layer, kind): slots}` from keys given as tuples or as "layer/kind" strings (a decode result's)."""
+    out: dict[tuple[int, str], int] = {}
+    for key, slots in capacities.items():
+        if isinstance(key, str):
+            layer, sep, kind = key.partition("/")
+            if not sep or not layer.isdigit():
+                raise ConfigError(f"Capacity key {key!r} is not 'layer/kind'.")
+            key = (int(layer), kind)
+        out[key] = slots
+    return out
 
 
 def _simulate_trace(
@@ -510,6 +597,7 @@ def _simulate_trace(
     window: int,
     warmup: int,
     include_compute: bool,
+    capacities: Mapping[tuple[int, str] | str, int] | None,
 ) -> SimulationResult:
     if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup < trace.num_steps:
         raise ConfigError(
@@ -517,34 +605,46 @@ def _simulate_trace(
             f"got {warmup!r}."
         )
     allocation = allocate(profile, workload, policy=policy)
-    # The uniform split gives every (layer, kind) the same fraction of its units (DIP app. A).
-    replayed = replay(
-        trace,
-        capacity=allocation.cache_fraction,
-        policy="none" if policy == "naive" else policy,
-        window=window,
-    )
+    replay_policy = "none" if policy == "naive" else policy
+    if capacities is None:
+        # The uniform split gives every (layer, kind) the same fraction of its units (DIP app. A).
+        capacity: float | dict[tuple[int, str], int] = allocation.cache_fraction
+    else:
+        capacity = _normalize_capacities(capacities)
+    replayed = replay(trace, capacity=capacity, policy=replay_policy, window=window, record_misses=True)
+    if capacities is not None and replay_policy != "none":
+        cache_bytes = sum(slots * trace.unit_bytes[kind] for (_, kind), slots in replayed.capacities.items())
+        allocation = replace(allocation, mlp_cache_bytes=float(cache_bytes))
     steps = slice(warmup, None)
-    flash_bytes = float(replayed.bytes_read[steps].mean())
+    num_steps = trace.num_steps - warmup
     hits, misses = int(replayed.hits[steps].sum()), int(replayed.misses[steps].sum())
-    # Missed units are scattered reads of one unit each; with kinds of different unit sizes, the
-    # time is each kind's share of the bytes at its own chunk's rate (shares as in the model).
-    kind_bytes = {kind: n * trace.unit_bytes[kind] for kind, n in trace.num_units.items()}
-    total = sum(kind_bytes.values())
-    seconds_per_byte = sum(
-        share / total / profile.flash_bandwidth(trace.unit_bytes[kind]) for kind, share in kind_bytes.items()
+    # Each (layer, kind)'s misses of a step are one reader call: the reader's plan (aligned extents,
+    # merged runs, chunked requests) gives the bytes read, over-read included, and the requests;
+    # each request takes its size over the profile's throughput at that size.
+    assert replayed.missed_ids is not None
+    sizes = np.concatenate(
+        [np.zeros(0, dtype=np.int64)]
+        + [
+            plan_trace_reads(missed[steps], trace.unit_bytes[kind], trace.num_units[kind])
+            for (_, kind), missed in replayed.missed_ids.items()
+        ]
     )
-    io_s = flash_bytes * seconds_per_byte
-    chunk = total / sum(trace.num_units.values())
+    flash_bytes = float(sizes.sum()) / num_steps
+    requests = len(sizes) / num_steps
+    io_s = _request_seconds(profile, sizes) / num_steps
+    chunk = float(sizes.mean()) if len(sizes) else 0.0
     if policy == "naive":
         static = _static_weight_bytes(workload)
         io_s += static / profile.flash_bandwidth(1, sequential=True)
         flash_bytes += static
-    requested = sum(
-        float(ids.numel()) * trace.unit_bytes[kind]
-        for layer, kind in trace.layer_kinds()
-        for ids in trace.requests(layer, kind)[steps]
-    ) / (trace.num_steps - warmup)
+    requested = (
+        sum(
+            float(ids.numel()) * trace.unit_bytes[kind]
+            for layer, kind in trace.layer_kinds()
+            for ids in trace.requests(layer, kind)[steps]
+        )
+        / num_steps
+    )
     return _finish(
         profile,
         workload,
@@ -556,4 +656,5 @@ def _simulate_trace(
         hit_rate=hits / (hits + misses) if hits + misses else 0.0,
         chunk_bytes=chunk,
         include_compute=include_compute,
+        flash_requests=requests,
     )
