@@ -19,6 +19,7 @@ from flashlm.errors import ConfigError
 from flashlm.sim import replay
 from flashlm.sim.cli import add_simulate_parser, cmd_simulate
 from flashlm.sim.hardware import GB, PRESETS, HardwareProfile, KiB, get_preset
+from flashlm.sim.plots import plot_memory_sweep, sweep_memory
 from flashlm.sim.simulator import (
     MODEL_PRESETS,
     AnalyticDemand,
@@ -427,3 +428,28 @@ def test_cmd_simulate_with_a_trace(tmp_path, capsys):
 def test_cmd_simulate_unknown_model():
     with pytest.raises(ConfigError, match="neither a preset"):
         cmd_simulate(_parse(["--model", "gpt-5"]))
+
+
+def test_memory_sweep_latency_falls_as_the_cache_grows(tmp_path):
+    """LLM in a flash Fig. 7's shape: more DRAM, more of the MLPs cached, less flash I/O per token."""
+    sizes = [6e9, 8e9, 10e9, 12e9]
+    sweep = sweep_memory(PRESETS["m1-max"], Workload(MODEL_PRESETS["opt-6.7b"]), sizes, ["naive", "lfu"])
+    lfu, naive = sweep["lfu"], sweep["naive"]
+    assert [r.io_s for r in lfu] == sorted((r.io_s for r in lfu), reverse=True)
+    assert lfu[0].io_s > lfu[-1].io_s
+    assert all(r.io_s == pytest.approx(naive[0].io_s) for r in naive)  # naive caches nothing
+    assert [r.hit_rate for r in lfu] == sorted(r.hit_rate for r in lfu)
+    path = plot_memory_sweep(sweep, sizes, tmp_path / "sweep.png")
+    assert path.stat().st_size > 10_000
+
+
+def test_cmd_simulate_sweep_prints_every_cell_and_plots(tmp_path, capsys):
+    plot = tmp_path / "sweep.png"
+    argv = ["--model", "opt-6.7b", "--hardware", "m1-max", "--sweep-dram", "8GB,12GB"]
+    args = _parse([*argv, "--policies", "naive,lfu", "--plot", str(plot)])
+    assert cmd_simulate(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("| lfu |") == 2 and out.count("| naive |") == 2
+    assert plot.is_file()
+    with pytest.raises(ConfigError, match="--sweep-dram"):
+        cmd_simulate(_parse(["--model", "opt-6.7b", "--plot", str(plot)]))

@@ -79,6 +79,19 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     )
     parser.add_argument("--no-compute", action="store_true", help="leave compute out (as DIP's simulator)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument(
+        "--sweep-dram",
+        default=None,
+        help="comma-separated DRAM sizes (e.g. 2GB,4GB,6GB): simulate each, print a table, plot with --plot",
+    )
+    parser.add_argument(
+        "--policies",
+        default=None,
+        help="with --sweep-dram: comma-separated policies to compare (default --policy)",
+    )
+    parser.add_argument(
+        "--plot", default=None, help="with --sweep-dram: PNG path for latency and hit rate vs DRAM"
+    )
     parser.set_defaults(func=cmd_simulate)
     return parser
 
@@ -114,6 +127,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             window_fraction=args.window_fraction,
         )
     workload = Workload(model, demand, context_length=args.context)
+    if args.sweep_dram is not None:
+        return _sweep(args, profile, workload)
+    if args.plot is not None or args.policies is not None:
+        raise ConfigError("--plot and --policies go with --sweep-dram.")
     result = simulate(
         profile,
         workload,
@@ -148,4 +165,39 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
+    return 0
+
+
+def _sweep(args: argparse.Namespace, profile, workload: Workload) -> int:
+    """`--sweep-dram`: every size x policy, a table of latency / I/O / hit rate, and the plot."""
+    from .plots import plot_memory_sweep, sweep_memory
+
+    sizes = [float(parse_bytes(size.strip())) for size in args.sweep_dram.split(",") if size.strip()]
+    policies = [p.strip() for p in (args.policies or args.policy).split(",") if p.strip()]
+    sweep = sweep_memory(
+        profile,
+        workload,
+        sizes,
+        policies,
+        window=args.window,
+        warmup=args.warmup,
+        include_compute=not args.no_compute,
+    )
+    if args.json:
+        print(
+            json.dumps(
+                {policy: [r.to_dict() for r in results] for policy, results in sweep.items()}, indent=2
+            )
+        )
+    else:
+        print("| policy | DRAM | latency ms | flash I/O ms | flash per token | hit rate | tokens/s |")
+        print("|---|---|---|---|---|---|---|")
+        for policy, results in sweep.items():
+            for size, r in zip(sizes, results, strict=True):
+                print(
+                    f"| {policy} | {format_bytes(size)} | {1e3 * r.latency_s:.1f} | {1e3 * r.io_s:.1f} "
+                    f"| {format_bytes(r.flash_bytes_per_token)} | {r.hit_rate:.1%} | {r.tokens_per_s:.3f} |"
+                )
+    if args.plot is not None:
+        print(f"wrote {plot_memory_sweep(sweep, sizes, args.plot)}")
     return 0

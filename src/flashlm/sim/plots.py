@@ -1,0 +1,65 @@
+"""Memory sweeps of the simulator and their plot: latency per token against the DRAM budget (LLM in a
+flash Fig. 7) for each cache policy, with the hit rate beside it (the DIP paper's policy comparison,
+Fig. 11, when the workload is a recorded trace)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from .hardware import HardwareProfile
+from .simulator import SimulationResult, Workload, simulate
+
+
+def sweep_memory(
+    profile: HardwareProfile,
+    workload: Workload,
+    dram_sizes: Sequence[float],
+    policies: Sequence[str],
+    **options,
+) -> dict[str, list[SimulationResult]]:
+    """`simulate` at every DRAM size for every policy: `{policy: [result per size]}`.
+
+    `options` go to `simulate` (window, warmup, include_compute). A size too small for the static
+    allocation raises `ConfigError` from `simulate`, naming what does not fit.
+    """
+    return {
+        policy: [
+            simulate(profile.with_overrides(dram_bytes=float(size)), workload, policy=policy, **options)
+            for size in dram_sizes
+        ]
+        for policy in policies
+    }
+
+
+def plot_memory_sweep(
+    sweep: dict[str, list[SimulationResult]], dram_sizes: Sequence[float], path: str | Path
+) -> Path:
+    """Two panels against the DRAM budget: latency per token split by part for each policy, and hit rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gb = [size / 1e9 for size in dram_sizes]
+    fig, (latency, hits) = plt.subplots(1, 2, figsize=(11, 4))
+    for policy, results in sweep.items():
+        (line,) = latency.plot(gb, [1e3 * r.latency_s for r in results], marker="o", label=f"{policy}: total")
+        latency.plot(
+            gb, [1e3 * r.io_s for r in results], ls="--", color=line.get_color(), label=f"{policy}: flash I/O"
+        )
+        hits.plot(gb, [100 * r.hit_rate for r in results], marker="o", color=line.get_color(), label=policy)
+    first = next(iter(sweep.values()))[0]
+    latency.set_title(f"{first.model} on {first.hardware}", fontsize=9)
+    latency.set_xlabel("DRAM budget (GB)")
+    latency.set_ylabel("latency per token (ms)")
+    latency.set_yscale("log")
+    latency.legend(fontsize=7)
+    hits.set_xlabel("DRAM budget (GB)")
+    hits.set_ylabel("MLP cache hit rate (%)")
+    hits.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
