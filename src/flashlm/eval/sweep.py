@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .perplexity import _stream, evaluate, num_windows, parse_method_spec
+from .plotting import save_figure
 
 CSV_NAME = "sweep.csv"
 PLOT_NAME = "ppl_vs_density.png"
@@ -185,23 +186,6 @@ def _number(value: Any) -> float:
         return math.nan
 
 
-def _save(figure, path: str | os.PathLike) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    FigureCanvasAgg(figure)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    try:
-        figure.savefig(tmp, dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
-
-
 def plot_perplexity_vs_density(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Path:
     """The DIP paper's Fig. 8: per corpus, perplexity (log) against achieved MLP density per method.
 
@@ -245,7 +229,7 @@ def plot_perplexity_vs_density(rows: Sequence[Mapping[str, Any]], path: str | os
         ax.grid(True, which="both", alpha=0.3)
         if mine:
             ax.legend()
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def plot_throughput_vs_perplexity(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Path:
@@ -279,4 +263,4 @@ def plot_throughput_vs_perplexity(rows: Sequence[Mapping[str, Any]], path: str |
     ax.grid(True, alpha=0.3)
     if methods:
         ax.legend()
-    return _save(figure, path)
+    return save_figure(figure, path)

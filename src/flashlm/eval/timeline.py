@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .plotting import save_figure
+
 PHASE_COLORS = {"read": "tab:red", "move": "tab:orange", "decompress": "tab:purple", "compute": "tab:green"}
 PLACEMENT_COLORS = {"device": "tab:olive", "cpu": "tab:blue", "disk": "tab:brown"}
 
@@ -26,15 +28,11 @@ def plot_step_timelines(results: list[dict[str, Any]], path: str | Path) -> Path
     execution device — so overlap shows; other runs get one lane of decoder layers coloured by
     where the layer's weights live.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    fig, axes = plt.subplots(
-        len(results), 1, figsize=(11, 1.3 + 1.1 * len(results)), sharex=True, squeeze=False
-    )
+    fig = Figure(figsize=(11, 1.3 + 1.1 * len(results)), layout="constrained")
+    axes = fig.subplots(len(results), 1, sharex=True, squeeze=False)
     for ax, result in zip(axes[:, 0], results, strict=True):
         if "last_step_events" in result:
             lanes = ["read", "decompress", "compute"] + (["move"] if result.get("move_ms", 0) > 0.05 else [])
@@ -59,22 +57,16 @@ def plot_step_timelines(results: list[dict[str, Any]], path: str | Path) -> Path
     axes[-1, 0].set_xlabel("ms from the start of the decode step")
     handles = [Patch(color=c, label=p) for p, c in PHASE_COLORS.items()]
     handles += [Patch(color=c, label=f"layer in {p}") for p, c in PLACEMENT_COLORS.items()]
-    fig.legend(handles=handles, loc="upper right", fontsize=7, ncol=4)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    fig.legend(handles=handles, loc="outside upper right", fontsize=7, ncol=4)
+    return save_figure(fig, path)
 
 
 def plot_layer_times(results: list[dict[str, Any]], path: str | Path) -> Path:
     """Each decoder layer's mean time per decode step, per result; markers say where the layer lives."""
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig = Figure(figsize=(9, 4), layout="constrained")
+    ax = fig.subplots()
     markers = {"device": "^", "cpu": "o", "disk": "s"}
     for result in results:
         placement = layer_placement_of(result)
@@ -86,8 +78,4 @@ def plot_layer_times(results: list[dict[str, Any]], path: str | Path) -> Path:
     ax.set_ylabel("ms per decode step")
     ax.set_yscale("log")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..eval.plotting import save_figure
 from .hardware import HardwareProfile
 from .simulator import SimulationResult, Workload, simulate
 
@@ -36,13 +37,11 @@ def plot_memory_sweep(
     sweep: dict[str, list[SimulationResult]], dram_sizes: Sequence[float], path: str | Path
 ) -> Path:
     """Two panels against the DRAM budget: latency per token split by part for each policy, and hit rate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     gb = [size / 1e9 for size in dram_sizes]
-    fig, (latency, hits) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    latency, hits = fig.subplots(1, 2)
     for policy, results in sweep.items():
         (line,) = latency.plot(gb, [1e3 * r.latency_s for r in results], marker="o", label=f"{policy}: total")
         latency.plot(
@@ -58,8 +57,4 @@ def plot_memory_sweep(
     hits.set_xlabel("DRAM budget (GB)")
     hits.set_ylabel("MLP cache hit rate (%)")
     hits.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
