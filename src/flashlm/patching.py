@@ -19,6 +19,7 @@ from ._utils import cache_dir
 from .arch import MLPSpec, find_mlps, mlp_weight_names, model_type_of, spec_for
 from .calibration import Calibration
 from .config import FlashConfig
+from .endor.codec import decompress
 from .endor.offload import EndorLinear, EndorStats, endor_linears, replace_linears
 from .endor.store import EndorStore, convert_endor, endor_layout
 from .errors import ConfigError, StoreMismatchError, UnsupportedArchitectureError
@@ -253,22 +254,26 @@ def dense_mlp_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def endor_dense_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The weights of an Endor-offloaded model's `EndorLinear`s, decompressed, by checkpoint name."""
-    return {
-        f"{name}.weight": module.dense_weight()
-        for name, module in model.named_modules()
-        if isinstance(module, EndorLinear)
-    }
+    """The weights of an Endor-offloaded model's `EndorLinear`s, decompressed, by checkpoint name
+    (each layer's file read once)."""
+    layers: dict[int, dict] = {}
+    weights = {}
+    for name, module in model.named_modules():
+        if isinstance(module, EndorLinear):
+            if module.layer not in layers:
+                layers[module.layer] = module.runtime.store.load_layer(module.layer)
+            weights[f"{name}.weight"] = decompress(layers[module.layer][module.name])
+    return weights
 
 
 def _unpatch_endor(model: nn.Module) -> None:
     runtime = endor_linears(model)[0].runtime
+    weights = endor_dense_weights(model)
     for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, EndorLinear)]:
-        weight = module.dense_weight()
         linear = nn.Linear(
             module.in_features, module.out_features, bias=module.bias is not None, device="meta"
         )
-        linear.weight = nn.Parameter(weight, requires_grad=False)
+        linear.weight = nn.Parameter(weights[f"{name}.weight"], requires_grad=False)
         linear.bias = module.bias
         model.set_submodule(name, linear)
     runtime.close()

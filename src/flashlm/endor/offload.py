@@ -32,7 +32,7 @@ from ..config import FlashConfig
 from ..errors import BudgetTooSmallError, StoreMismatchError
 from ..store.reader import StoreReader, aligned_buffer
 from ..store.rowfile import ALIGNMENT
-from .codec import Decompressor, EndorMatrix, decompress
+from .codec import Decompressor, EndorMatrix
 from .kernel import decompression_path
 from .store import EndorStore, layer_placement
 
@@ -432,10 +432,6 @@ class EndorLinear(nn.Module):
             torch.cuda.synchronize(x.device)
         runtime.record_compute(self.layer, self.name, started, perf_counter())
         return out
-
-    def dense_weight(self) -> torch.Tensor:
-        """The weight, decompressed from the store (for saving and unpatching)."""
-        return decompress(self.runtime.store.load_layer(self.layer)[self.name])
 
     def extra_repr(self) -> str:
         where = self.runtime.placement[self.layer]
