@@ -471,6 +471,10 @@ def test_bench_smoke_on_a_tiny_model(tiny_path, tmp_path, capsys) -> None:
         str(tmp_path / "out"),
         "--work",
         str(tmp_path),
+        "--ppl-tokens",
+        "64",
+        "--ppl-context",
+        "32",
     ]
     assert main(argv) == 0
     report = json.loads((tmp_path / "out" / "bench.json").read_text())
@@ -484,3 +488,9 @@ def test_bench_smoke_on_a_tiny_model(tiny_path, tmp_path, capsys) -> None:
     assert dense["regime"] in ("direct", "buffered") or dense["regime"].startswith("buffered")
     assert "flashlm-dip@0.9" in (tmp_path / "out" / "bench.md").read_text()
     assert "x naive" in capsys.readouterr().out
+    # Dense-equivalent rows share one measured perplexity; the sparse row has its own.
+    ppl = {r["config"]: r["perplexity"] for r in report["results"]}
+    assert len({ppl[name] for name in names[:4]}) == 1
+    assert all(math.isfinite(value) and value > 1 for value in ppl.values())
+    assert report["perplexity"] == {"corpus": "shakespeare", "tokens": 64, "context_length": 32}
+    assert (tmp_path / "out" / "bench.png").stat().st_size > 0

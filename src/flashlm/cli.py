@@ -186,12 +186,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if work is not None:
         work.mkdir(parents=True, exist_ok=True)
     throughput = [] if args.no_disk else bench.disk_throughput(work or Path("/var/tmp"))
-    report = bench.run_bench(
-        model_path, specs, new_tokens=args.new_tokens, work_dir=work, throughput=throughput
+    perplexity = (
+        bench.perplexities(
+            model_path,
+            specs,
+            num_tokens=args.ppl_tokens,
+            context_length=args.ppl_context,
+            corpus=args.corpus,
+        )
+        if args.ppl_tokens
+        else None
     )
-    json_path, md_path = bench.save(report, Path(args.out))
+    report = bench.run_bench(
+        model_path,
+        specs,
+        new_tokens=args.new_tokens,
+        work_dir=work,
+        throughput=throughput,
+        perplexity=perplexity,
+    )
+    written = bench.save(report, Path(args.out))
     print(bench.markdown(report))
-    print(f"\nwrote {json_path} and {md_path}")
+    print(f"\nwrote {', '.join(map(str, written))}")
     return 0
 
 
@@ -555,6 +571,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--warm", action="store_true", help="keep the page cache (no root needed; labelled)"
     )
     bench_parser.add_argument("--no-disk", action="store_true", help="skip the disk throughput measurement")
+    bench_parser.add_argument(
+        "--ppl-tokens",
+        type=_int_at_least(0),
+        default=1024,
+        help="tokens of the corpus to score each configuration's perplexity on (0: skip; default 1024)",
+    )
+    bench_parser.add_argument("--ppl-context", type=_int_at_least(2), default=512, help="perplexity window")
+    bench_parser.add_argument("--corpus", default="shakespeare", help="perplexity corpus (test split)")
     bench_parser.add_argument(
         "--work", default=None, help="directory for offload folders (default: /var/tmp)"
     )

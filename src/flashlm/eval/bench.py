@@ -19,10 +19,18 @@ the device per token (`/proc/self/io`) and by flashlm's reader, reads per token,
 the I/O / cache / compute split (LLM in a flash Table 3), and the physical bound: the disk's
 measured O_DIRECT random-read throughput (best over chunk sizes x threads) divided by the bytes the
 configuration reads per token, with the fraction of that bound it reached.
+
+With `ppl_tokens`, each configuration's perplexity on a corpus's test split is measured too (the DIP
+paper's Fig. 10, right: decode throughput against perplexity), and `bench.png` plots one against
+the other. Rows that compute the dense model exactly (RAM, Accelerate, hybrid, flashlm dense
+streaming, which the tests check token for token) share one dense measurement; Endor, lossless, is
+scored as its pruned checkpoint. Sparse methods are scored as configured, memory budget included,
+since cache-aware masking depends on what the cache holds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -87,6 +95,7 @@ def configurations(
             {
                 "name": f"flashlm-{method}",
                 "kind": "flashlm",
+                "method_spec": spec,
                 "options": {**options, "memory_budget": memory_budget},
             }
         )
@@ -117,6 +126,63 @@ def disk_throughput(directory: Path, *, seconds: float = 0.5, size: int = 256 <<
         path.unlink(missing_ok=True)
 
 
+def perplexity_key(spec: dict[str, Any], model_path: Path) -> tuple[str, str | None, float, int | None]:
+    """What a configuration's perplexity depends on: (checkpoint, method spec, density, budget).
+
+    Rows that compute the checkpoint exactly (everything but a sparse method) map to method None,
+    the plain transformers model, so they share one measurement; a sparse method keeps its budget
+    (cache-aware masks depend on it).
+    """
+    checkpoint = str(spec.get("model", model_path))
+    method = spec.get("method_spec")
+    if method is None:
+        return checkpoint, None, 1.0, None
+    options = spec["options"]
+    return checkpoint, method, float(options["density"]), options.get("memory_budget")
+
+
+def perplexities(
+    model_path: Path,
+    specs: list[dict[str, Any]],
+    *,
+    num_tokens: int,
+    context_length: int = 512,
+    corpus: str = "shakespeare",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Perplexity of each configuration on `num_tokens` of `corpus`'s test split, each distinct
+    `perplexity_key` measured once: `{"corpus", "tokens", "context_length", "by_config": {name: ppl}}`."""
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .corpora import corpus_tokens
+    from .perplexity import evaluate, perplexity
+
+    keys = {spec["name"]: perplexity_key(spec, model_path) for spec in specs}
+    measured: dict[tuple[str, str | None, float, int | None], float] = {}
+    for key in tqdm(
+        list(dict.fromkeys(keys.values())), desc="perplexity", unit="config", disable=not progress
+    ):
+        checkpoint, method, density, budget = key
+        window = {"context_length": context_length, "num_tokens": num_tokens, "progress": False}
+        if method is None:
+            ids = corpus_tokens(corpus, AutoTokenizer.from_pretrained(checkpoint), split="test")
+            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+            measured[key] = perplexity(model, ids, **window).perplexity
+        else:
+            result = evaluate(
+                checkpoint, corpus, method_spec=method, density=density, memory_budget=budget, **window
+            )
+            measured[key] = result.perplexity
+    return {
+        "corpus": corpus,
+        "tokens": num_tokens,
+        "context_length": context_length,
+        "by_config": {name: measured[key] for name, key in keys.items()},
+    }
+
+
 def run_bench(
     model_path: Path,
     specs: list[dict[str, Any]],
@@ -124,22 +190,32 @@ def run_bench(
     new_tokens: int,
     work_dir: Path | None = None,
     throughput: list[dict[str, Any]] | None = None,
+    perplexity: dict[str, Any] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run every spec and return `{"results": [...], "throughput": [...]}`, each result with its ratio to
-    the naive baseline and its fraction of the disk bound added."""
+    the naive baseline and its fraction of the disk bound added, and its perplexity when `perplexity`
+    (from `perplexities`) is given. Offload folders go under `work_dir`, or a temporary directory
+    removed after."""
     from tqdm.auto import tqdm
 
-    work = work_dir or Path(
-        tempfile.mkdtemp(prefix="flashlm-bench-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
-    )
-    results = []
-    bar = tqdm(specs, desc="flashlm bench", unit="config", disable=not progress)
-    for spec in bar:
-        bar.set_postfix_str(spec["name"])
-        result = run_in_subprocess(spec, model_path, new_tokens=new_tokens, offload_dir=work / spec["name"])
-        result.update({key: spec[key] for key in ("memory_layers", "model") if key in spec})
-        results.append(result)
+    with contextlib.ExitStack() as stack:
+        if work_dir is None:
+            scratch = "/var/tmp" if os.path.isdir("/var/tmp") else None
+            work_dir = Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="flashlm-bench-", dir=scratch))
+            )
+        results = []
+        bar = tqdm(specs, desc="flashlm bench", unit="config", disable=not progress)
+        for spec in bar:
+            bar.set_postfix_str(spec["name"])
+            result = run_in_subprocess(
+                spec, model_path, new_tokens=new_tokens, offload_dir=work_dir / spec["name"]
+            )
+            result.update({key: spec[key] for key in ("memory_layers", "model") if key in spec})
+            if perplexity is not None:
+                result["perplexity"] = perplexity["by_config"][spec["name"]]
+            results.append(result)
     best = max((cell["bytes_per_s"] for cell in throughput or []), default=math.nan)
     naive = next((r for r in results if r["config"] in (NAIVE, "accelerate-warm")), None)
     for result in results:
@@ -149,7 +225,10 @@ def run_bench(
         streams = result["kind"] in ("accelerate-cold", "flashlm") and per_token > 0
         result["bound_tok_s"] = best / per_token if streams else math.inf
         result["fraction_of_bound"] = result["decode_tok_s"] / result["bound_tok_s"] if streams else math.nan
-    return {"results": results, "throughput": throughput or [], "best_throughput": best}
+    report = {"results": results, "throughput": throughput or [], "best_throughput": best}
+    if perplexity is not None:
+        report["perplexity"] = {key: value for key, value in perplexity.items() if key != "by_config"}
+    return report
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -157,9 +236,9 @@ def markdown(report: dict[str, Any]) -> str:
     head = (
         "| configuration | regime | decode tok/s | x naive | prefill s | read/token (/proc) MB "
         "| reader MB/token | reads/token | hit rate | I/O / cache / compute ms | peak RSS MB | bound tok/s "
-        "| of bound | tokens = ram |"
+        "| of bound | tokens = ram | perplexity |"
     )
-    lines = [head, "|" + "---|" * 14]
+    lines = [head, "|" + "---|" * 15]
     ram = next((r for r in report["results"] if r["kind"] == "ram"), None)
 
     def number(value: float | None, fmt: str) -> str:
@@ -187,7 +266,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {number(r.get('hit_rate'), '.1%')} | {split} | {r['peak_rss'] / 1e6:.0f} "
             f"| {'∞' if math.isinf(bound) else number(bound, '.1f')} "
             f"| {number(r['fraction_of_bound'], '.1%')} "
-            f"| {'yes' if ram and r['tokens'] == ram['tokens'] else ('—' if 'model' in r else 'NO')} |"
+            f"| {'yes' if ram and r['tokens'] == ram['tokens'] else ('—' if 'model' in r else 'NO')} "
+            f"| {number(r.get('perplexity'), '.2f')} |"
         )
     if report["throughput"]:
         cells = ", ".join(
@@ -199,12 +279,33 @@ def markdown(report: dict[str, Any]) -> str:
         "\nEndor's split column shows read wait / — / decompress + compute. Tokens of `endor` (a pruned "
         "model) are not compared with the dense model's."
     )
+    if "perplexity" in report:
+        ppl = report["perplexity"]
+        lines.append(
+            f"\nPerplexity: {ppl['tokens']} tokens of {ppl['corpus']} (test split), context "
+            f"{ppl['context_length']}. Rows that compute the dense model exactly share one dense "
+            "measurement; Endor (lossless) is scored as its pruned checkpoint."
+        )
     return "\n".join(lines)
 
 
-def save(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
-    """Write `bench.json` and `bench.md` under `out`."""
+def plot(report: dict[str, Any], path: Path) -> Path:
+    """Decode tokens/s against perplexity, one point per configuration (DIP Fig. 10, right)."""
+    from .sweep import plot_throughput_vs_perplexity
+
+    rows = [
+        {"method": r["config"], "perplexity": r["perplexity"], "decode_tok_s": r["decode_tok_s"]}
+        for r in report["results"]
+    ]
+    return plot_throughput_vs_perplexity(rows, path)
+
+
+def save(report: dict[str, Any], out: Path) -> list[Path]:
+    """Write `bench.json`, `bench.md` and, when perplexity was measured, `bench.png` under `out`."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "bench.md").write_text(markdown(report) + "\n")
-    return out / "bench.json", out / "bench.md"
+    written = [out / "bench.json", out / "bench.md"]
+    if "perplexity" in report:
+        written.append(plot(report, out / "bench.png"))
+    return written
