@@ -20,6 +20,7 @@ from flashlm.cache import (
     policy_state_bytes,
     split_budget,
 )
+from flashlm.config import POLICIES, FlashConfig
 from flashlm.errors import BudgetTooSmallError, ConfigError
 
 WIDTH = 3
@@ -42,7 +43,8 @@ class ReferenceCache:
         return self.last.get(unit, -1)
 
     def expired(self, unit: int, step: int) -> bool:
-        return self.policy == "window" and self.last.get(unit, -1) <= step - self.window
+        window = {"window": self.window, "atu": 1}.get(self.policy)
+        return window is not None and self.last.get(unit, -1) <= step - window
 
     def step(self, used: list[int], step: int) -> tuple[int, int, int]:
         """One decode step; returns (hits, misses, evictions)."""
@@ -132,7 +134,7 @@ def assert_matches_reference(policy: str, num_units: int, capacity: int, window:
 # ---- policies against the reference ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "window"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "window", "atu"])
 @pytest.mark.parametrize("seed", range(8))
 def test_matches_reference_on_seeded_traces(policy: str, seed: int) -> None:
     rng = random.Random(seed)
@@ -145,7 +147,7 @@ def test_matches_reference_on_seeded_traces(policy: str, seed: int) -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(
-    policy=st.sampled_from(["lru", "lfu", "window"]),
+    policy=st.sampled_from(["lru", "lfu", "window", "atu"]),
     num_units=st.integers(1, 24),
     data=st.data(),
 )
@@ -175,7 +177,7 @@ def test_lfu_keeps_frequent_units() -> None:
 
 def test_density_one_is_static_after_filling() -> None:
     """Every unit every step: equal priorities never displace each other, so nothing thrashes."""
-    for policy in ("lru", "lfu", "window"):
+    for policy in ("lru", "lfu", "window", "atu"):
         cache = make_cache(policy, 16, 5, window=2)
         everything = list(range(16))
         run_step(cache, everything, 0)
@@ -199,6 +201,28 @@ def test_window_expires_units_without_pressure() -> None:
     assert set(cache.resident_ids.tolist()) == {5, 6}  # 5 used at steps 1..3: still inside
 
 
+def test_atu_keeps_exactly_the_units_the_last_step_used() -> None:
+    """M2Cache §5.3: after each step ATU holds the units that step used (when they fit), nothing older."""
+    steps = [[0, 1, 2], [1, 2, 3], [7], [0, 7, 8, 9], [], [4, 5]]
+    cache = make_cache("atu", 10, 4)
+    for step, used in enumerate(steps):
+        run_step(cache, used, step)
+        assert set(cache.resident_ids.tolist()) == set(used), step
+    # More units than slots: the step's hits stay, free slots take the lowest missed ids.
+    run_step(cache, [4, 5, 6, 7, 8, 9], len(steps))
+    assert set(cache.resident_ids.tolist()) == {4, 5, 6, 7}
+
+
+def test_atu_misses_a_unit_skipped_for_one_step_where_lru_hits() -> None:
+    steps = [[0, 1], [2], [0]]
+    lru, atu = make_cache("lru", 4, 3), make_cache("atu", 4, 3)
+    for step, used in enumerate(steps[:-1]):
+        run_step(lru, used, step)
+        run_step(atu, used, step)
+    assert run_step(lru, steps[-1], 2)[:2] == (1, 0)  # LRU kept 0 through the step that skipped it
+    assert run_step(atu, steps[-1], 2)[:2] == (0, 1)  # ATU let it go at that step
+
+
 def test_swap_delete_moves_last_rows_into_holes() -> None:
     """Expiring the front slots fills them from the tail (LLM in a flash, Fig. 6)."""
     cache = make_cache("window", 10, 10, window=1)
@@ -209,7 +233,7 @@ def test_swap_delete_moves_last_rows_into_holes() -> None:
 
 
 def test_capacity_zero_misses_everything() -> None:
-    for policy in ("lru", "lfu", "window"):
+    for policy in ("lru", "lfu", "window", "atu"):
         cache = make_cache(policy, 6, 0)
         for step in range(3):
             assert run_step(cache, [1, 2, 3], step) == (0, 3, 0)
@@ -265,10 +289,15 @@ def test_unknown_policy_names_the_available_ones() -> None:
         make_policy("lru", 4, window=3)
     with pytest.raises(ConfigError):
         make_policy("window", 4, window=0)
+    with pytest.raises(ConfigError, match="atu"):
+        make_policy("atu", 4, window=2)  # ATU's window is one token, not an option
 
 
 def test_registry_and_state_bytes_agree_with_allocation() -> None:
-    assert {"lru", "lfu", "window"} <= set(available_policies())
+    assert {"lru", "lfu", "window", "atu"} <= set(available_policies())
+    # Every cache policy FlashConfig accepts is registered ("none" runs the cache at capacity 0).
+    assert set(POLICIES) - {"none"} <= set(available_policies())
+    assert FlashConfig(policy="atu").policy == "atu"
     for name in available_policies():
         policy = make_policy(name, 37)
         assert isinstance(policy, EvictionPolicy)

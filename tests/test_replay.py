@@ -139,7 +139,7 @@ def test_belady_never_misses_more_than_online_policies(seed: int) -> None:
     trace = make_trace([random_steps(rng, num_units, 60) for _ in range(3)], num_units)
     for fraction in (0.0, 0.1, 0.25, 0.5, 0.8, 1.0):
         belady = replay(trace, capacity=fraction, policy="belady")
-        for policy in ("lru", "lfu", "window"):
+        for policy in ("lru", "lfu", "window", "atu"):
             online = replay(trace, capacity=fraction, policy=policy, window=3)
             assert belady.misses.sum() <= online.misses.sum(), (fraction, policy)
             assert belady.bytes_read.sum() <= online.bytes_read.sum()
@@ -193,7 +193,7 @@ def test_belady_without_a_future_and_bad_requests() -> None:
 # ---- replay -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "window"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "window", "atu"])
 @pytest.mark.parametrize("seed", range(3))
 def test_replay_equals_a_direct_cache_run(policy: str, seed: int) -> None:
     rng = random.Random(seed)
@@ -212,6 +212,17 @@ def test_replay_equals_a_direct_cache_run(policy: str, seed: int) -> None:
     assert np.array_equal(result.misses, misses)
     assert np.array_equal(result.bytes_read, misses * 6)
     assert result.capacities == capacities
+
+
+def test_atu_replay_misses_whatever_the_previous_step_did_not_use() -> None:
+    """ATU's misses at a step are its units the previous step did not use (when steps fit)."""
+    rng = random.Random(3)
+    steps = random_steps(rng, 40, 30)
+    result = replay(make_trace([steps], 40), capacity=1.0, policy="atu")
+    expected = [len(set(used) - set(before)) for before, used in zip([[], *steps[:-1]], steps, strict=True)]
+    assert result.misses.tolist() == expected
+    lru = replay(make_trace([steps], 40), capacity=1.0, policy="lru")
+    assert lru.misses.sum() < result.misses.sum()
 
 
 def test_none_reads_everything() -> None:
@@ -278,7 +289,7 @@ def test_result_to_dict_is_json(tmp_path) -> None:
 
 def test_replay_rejects_bad_arguments() -> None:
     trace = make_trace([[[0, 1], [2]]], 4)
-    assert set(REPLAY_POLICIES) == {"lru", "lfu", "window", "belady", "none"}
+    assert set(REPLAY_POLICIES) == {"lru", "lfu", "window", "atu", "belady", "none"}
     with pytest.raises(ConfigError, match="belady"):
         replay(trace, capacity=0.5, policy="fifo")
     for bad in (1.5, -0.1, True, "half"):

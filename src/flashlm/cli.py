@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from ._utils import format_bytes
+from .config import POLICIES
 
 METHOD_HELP = (
     "what each MLP does, a method spec: dense (default), dip, dip-ca (DIP-CA, γ 0.2), dip-ca:GAMMA, "
@@ -41,8 +42,8 @@ def _add_runtime_options(parser: argparse.ArgumentParser, *, method: bool = True
     parser.add_argument(
         "--policy",
         default="lfu",
-        choices=("lfu", "lru", "window", "none"),
-        help="cache policy: lfu (default), lru, window or none",
+        choices=POLICIES,
+        help=f"cache policy: {', '.join(POLICIES)} (default lfu)",
     )
     parser.add_argument(
         "--memory-budget", default=None, help="cache budget: bytes, '512MB' or '50%%' of MLP bytes"

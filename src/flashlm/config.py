@@ -24,7 +24,7 @@ METHODS = ("dense", "dip", "glu", "gate", "up", "cats", "endor")
 GATED_METHODS = ("dip", "glu", "gate", "up", "cats")
 """Methods that prune a gated (SwiGLU) MLP's projections separately: they need a gated MLP."""
 THRESHOLDS = ("token", "layer", "global")
-POLICIES = ("lru", "lfu", "window", "none")
+POLICIES = ("lru", "lfu", "window", "none", "atu")
 PERSISTED_OPTIONS = (
     "method",
     "density",
@@ -103,7 +103,9 @@ class FlashConfig(QuantizationConfigMixin):
             paper's DIP), `"layer"` or `"global"` (a magnitude threshold per layer or for all
             layers, calibrated to keep the same fraction on average; the paper's Fig. 4).
         policy: cache eviction policy: `"lfu"` (default), `"lru"`, `"window"` (units used in the
-            last `window` tokens stay resident) or `"none"` (no cache: every unit is read every time).
+            last `window` tokens stay resident), `"none"` (no cache: every unit is read every time)
+            or `"atu"` (M2Cache's Adjacent Token Update: the units the previous token used stay
+            resident).
         window: the sliding window's length in tokens, for `policy="window"`.
         store: path of the SSD weight store. Default: a directory in flashlm's cache named after
             the checkpoint; a missing store is converted on first load.

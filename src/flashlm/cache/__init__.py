@@ -3,6 +3,7 @@
 from .budget import BudgetPlan, split_budget
 from .neuron_cache import NeuronCache
 from .policies import (
+    ATUPolicy,
     BeladyPolicy,
     EvictionPolicy,
     LFUPolicy,
@@ -15,6 +16,7 @@ from .policies import (
 )
 
 __all__ = [
+    "ATUPolicy",
     "BeladyPolicy",
     "BudgetPlan",
     "EvictionPolicy",

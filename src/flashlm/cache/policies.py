@@ -4,7 +4,7 @@ A policy only ranks units; the cache (`NeuronCache`) does the moving. It sees ev
 step needs (`record`), answers how much each unit is worth keeping (`priority`, comparable
 between residents and candidates, so the cache can admit a miss only when it beats a resident),
 and may force units out whatever the pressure (`expired`, the sliding window of LLM in a flash
-§3.1). New policies (Adjacent Token Update, static, Belady, ...) join with `@register_policy`.
+§3.1). New policies join with `@register_policy`.
 
 State is a few int64 vectors of length `num_units`, held as non-persistent buffers: `.to()` moves
 them with the model, and `state_dict()` does not carry them (they describe one run, not the model).
@@ -186,6 +186,26 @@ class WindowPolicy(EvictionPolicy):
 
     def extra_repr(self) -> str:
         return f"num_units={self.num_units}, window={self.window}"
+
+
+@register_policy("atu")
+class ATUPolicy(WindowPolicy):
+    """Adjacent Token Update (M2Cache §5.3): keep exactly the units the previous token used.
+
+    M2Cache's HBM cache "only updates the neurons that differ between tokens" and, unlike LRU or a
+    sliding window, does not retain hot units. Here that is a sliding window of one token: every
+    resident the current step did not use expires at that step, even with free slots, and the
+    step's misses are admitted, so after a step the cache holds the units it used (all of them
+    when they fit). Priority is recency, as in LRU; under pressure (more units than slots) every
+    unit left is the step's own, equally recent, so the admission rule's no-churn tie keeps the
+    hits and fills the free slots with misses (lowest ids first).
+    """
+
+    def __init__(self, num_units: int) -> None:
+        super().__init__(num_units, window=1)
+
+    def extra_repr(self) -> str:
+        return f"num_units={self.num_units}"
 
 
 @register_policy("belady")

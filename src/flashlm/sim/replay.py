@@ -20,7 +20,7 @@ from ..cache import NeuronCache, make_policy
 from ..errors import ConfigError
 from ..trace import Trace
 
-REPLAY_POLICIES = ("lru", "lfu", "window", "belady", "none")
+REPLAY_POLICIES = ("lru", "lfu", "window", "atu", "belady", "none")
 """Policies `replay` accepts; "none" is no cache at all (capacity 0)."""
 
 _ROUNDING_SLACK = 1e-9
@@ -132,8 +132,9 @@ def replay(
         trace: the recorded unit ids.
         capacity: the fraction of each (layer, kind)'s units that fit (rounded down), or the
             slots of each (layer, kind) as a dict covering all of them. Ignored for `"none"`.
-        policy: one of `REPLAY_POLICIES`: "lru", "lfu", "window", "belady" (the offline oracle,
-            given each layer's future requests), "none" (no cache: every unit is read every step).
+        policy: one of `REPLAY_POLICIES`: "lru", "lfu", "window", "atu" (M2Cache's Adjacent
+            Token Update: the previous step's units), "belady" (the offline oracle, given each
+            layer's future requests), "none" (no cache: every unit is read every step).
         window: the sliding window in steps, for `"window"`.
         progress: show a progress bar over the (layer, kind) caches.
         record_misses: keep each step's missed ids per (layer, kind) in `ReplayResult.missed_ids`
