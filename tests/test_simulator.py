@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -36,6 +37,7 @@ TOLERANCE = 0.10
 
 A18 = PRESETS["a18"]
 M1_MAX = PRESETS["m1-max"]
+RTX = PRESETS["rtx4090-pc"]
 PHI3_MEDIUM = MODEL_PRESETS["phi-3-medium"]
 OPT_6_7B = MODEL_PRESETS["opt-6.7b"]
 
@@ -194,19 +196,140 @@ def test_static_allocation_leaves_the_rest_for_mlps():
     assert allocate(A18, workload, policy="naive").static_bytes == 0
 
 
-def test_gpu_profile_uses_gpu_memory_and_pays_pcie():
-    profile = PRESETS["rtx4090-pc"]
+# ---- two tiers: GPU memory and DRAM (M2Cache §5) ------------------------------------------------
+
+
+def test_gpu_profile_has_two_tiers_and_pays_pcie():
+    """GPU memory holds the static parts and the first MLP tier, DRAM the second: a GPU miss DRAM
+    serves crosses PCIe; a DRAM miss is read from flash, written into DRAM and crosses PCIe."""
     workload = Workload(OPT_6_7B)
+    assert allocate(RTX, workload).resident_bytes == 24 * GB
+    profile = RTX.with_overrides(gpu_bytes=8 * GB, dram_bytes=4 * GB)
     alloc = allocate(profile, workload)
-    assert alloc.resident_bytes == 24 * GB
-    result = simulate(profile.with_overrides(dram_bytes=8 * GB), workload, policy="none")
-    flash = result.flash_bytes_per_token
+    static = OPT_6_7B.attention_bytes + OPT_6_7B.embedding_bytes
+    assert alloc.resident_bytes == 8 * GB
+    assert alloc.mlp_cache_bytes == pytest.approx(8 * GB - static)
+    assert alloc.dram_cache_bytes == 4 * GB
+    result = simulate(profile, workload, policy="lfu")
+    missed = OPT_6_7B.mlp_bytes - alloc.mlp_cache_bytes  # what the GPU tier misses
+    flash = missed - 4 * GB  # the DRAM tier's subset is disjoint from the GPU's
+    assert result.hit_rate == pytest.approx(alloc.cache_fraction)
+    assert result.dram_hit_rate == pytest.approx(4 * GB / missed)
+    assert result.flash_bytes_per_token == pytest.approx(flash)
+    assert result.io_s == pytest.approx(flash / (7 * GB))  # dense: one sequential read
+    assert result.pcie_bytes_per_token == pytest.approx(missed)
     assert result.memory_management_s == pytest.approx(
-        flash / profile.dram_bandwidth + flash / profile.pcie_bandwidth
+        flash / profile.dram_bandwidth + missed / profile.pcie_bandwidth
     )
     assert result.compute_s == pytest.approx(
         (OPT_6_7B.per_token_static_read_bytes + OPT_6_7B.mlp_bytes) / profile.gpu_bandwidth
     )
+    assert result.latency_s == pytest.approx(result.io_s + result.memory_management_s + result.compute_s)
+    json.dumps(result.to_dict())
+
+
+@pytest.mark.parametrize(
+    "policy, demand",
+    [
+        ("lfu", AnalyticDemand()),
+        ("lfu", AnalyticDemand(density=0.3)),
+        ("window", AnalyticDemand(density=0.1, load_fraction=0.024, window_fraction=0.24)),
+    ],
+)
+def test_dram_holding_every_mlp_weight_reads_nothing_from_flash(policy, demand):
+    profile = RTX.with_overrides(gpu_bytes=8 * GB)  # 64 GB of DRAM: more than OPT-6.7B's 8.6 GB of MLPs
+    result = simulate(profile, Workload(OPT_6_7B, demand), policy=policy)
+    assert result.allocation.dram_cache_bytes == pytest.approx(OPT_6_7B.mlp_bytes)
+    assert result.flash_bytes_per_token == 0 and result.io_s == 0
+    assert result.dram_hit_rate == 1
+    assert result.pcie_bytes_per_token > 0
+    assert result.memory_management_s == pytest.approx(result.pcie_bytes_per_token / profile.pcie_bandwidth)
+
+
+def test_no_dram_tier_reduces_to_one_tier():
+    """DRAM 0, or policy "none" / "naive" (nothing cached in either tier): every GPU miss is read from
+    flash, written into DRAM and sent over PCIe, as with one tier."""
+    no_dram = RTX.with_overrides(gpu_bytes=8 * GB, dram_bytes=0)
+    for policy, density in (("lfu", 1.0), ("lfu", 0.3), ("none", 1.0), ("naive", 1.0)):
+        workload = Workload(OPT_6_7B, AnalyticDemand(density=density))
+        result = simulate(no_dram, workload, policy=policy)
+        flash = result.flash_bytes_per_token
+        assert result.dram_hit_rate == 0
+        assert result.pcie_bytes_per_token == pytest.approx(flash)
+        assert result.memory_management_s == pytest.approx(
+            flash / no_dram.dram_bandwidth + flash / no_dram.pcie_bandwidth
+        )
+        if policy == "lfu":
+            missed = density * OPT_6_7B.mlp_bytes * (1 - result.allocation.cache_fraction)
+            assert flash == pytest.approx(missed)
+        else:  # 64 GB of DRAM change nothing: neither tier caches
+            assert simulate(RTX.with_overrides(gpu_bytes=8 * GB), workload, policy=policy) == result
+
+
+def _steps_trace(steps: list[list[int]], num_units: int = 8, unit_bytes: int = 4096):
+    """One layer, one kind: step s uses the units `steps[s]`."""
+    recorder = TraceRecorder()
+    for step, used in enumerate(steps):
+        recorder.record(step, 0, "ffn", torch.tensor(used))
+    return recorder.finish(num_layers=1, num_units={"ffn": num_units}, unit_bytes={"ffn": unit_bytes})
+
+
+def test_trace_dram_tier_replays_the_gpu_misses():
+    """Two alternating pairs of units: ATU's two GPU slots miss every step (LRU's four would not);
+    a DRAM tier of four slots serves every miss once warm, one of two slots serves none."""
+    trace = _steps_trace([[0, 1], [2, 3]] * 5)
+    workload = Workload(_tiny_model(1), trace)
+    gpu = {(0, "ffn"): 2}
+
+    def run(dram_units: int, policy: str = "atu", slots: dict = gpu):
+        profile = RTX.with_overrides(gpu_bytes=1 * GB, dram_bytes=dram_units * 4096)
+        return simulate(profile, workload, policy=policy, capacities=slots, warmup=2, dram_policy="lru")
+
+    warm = run(4)
+    assert warm.hit_rate == 0 and warm.dram_hit_rate == 1
+    assert warm.flash_bytes_per_token == 0 and warm.io_s == 0
+    assert warm.pcie_bytes_per_token == 2 * 4096
+    assert warm.memory_management_s == pytest.approx(2 * 4096 / RTX.pcie_bandwidth)
+    assert warm.latency_s == pytest.approx(warm.io_s + warm.memory_management_s + warm.compute_s)
+    small = run(2)  # LRU of two slots: each pair evicts the other
+    assert small.dram_hit_rate == 0
+    assert small.flash_bytes_per_token == 2 * 4096  # two adjacent rows: one 8 KiB request
+    assert small.pcie_bytes_per_token == 2 * 4096
+    assert run(0) == replace(small, allocation=run(0).allocation)  # a tier that never hits changes nothing
+    assert run(0).allocation.dram_cache_bytes == 0
+    lru = run(4, "lru", {(0, "ffn"): 4})
+    assert lru.hit_rate == 1 and lru.pcie_bytes_per_token == 0
+
+
+def test_trace_with_no_dram_tier_matches_the_one_tier_replay():
+    trace = _trace()
+    model = _tiny_model()
+    static = model.attention_bytes + model.embedding_bytes
+    profile = RTX.with_overrides(gpu_bytes=static + 0.25 * 2 * 64 * 4096, dram_bytes=0)
+    result = simulate(profile, Workload(model, trace), policy="lru")
+    expected = replay(trace, capacity=0.25, policy="lru", record_misses=True)
+    sizes = np.concatenate([plan_trace_reads(missed, 4096, 64) for missed in expected.missed_ids.values()])
+    flash = sizes.sum() / trace.num_steps
+    assert result.hit_rate == pytest.approx(expected.hit_rate)
+    assert result.flash_bytes_per_token == pytest.approx(flash)
+    assert result.dram_hit_rate == 0 and result.pcie_bytes_per_token == pytest.approx(flash)
+    assert result.memory_management_s == pytest.approx(
+        flash / RTX.dram_bandwidth + flash / RTX.pcie_bandwidth
+    )
+    # With DRAM for every unit (64 GB), each unit reaches flash once, at its first use.
+    roomy = simulate(RTX.with_overrides(gpu_bytes=profile.gpu_bytes), Workload(model, trace), policy="lru")
+    first_uses = sum(len(np.unique(torch.cat(trace.requests(*key)))) for key in trace.layer_kinds())
+    assert roomy.hit_rate == result.hit_rate
+    assert roomy.dram_hit_rate == pytest.approx(1 - first_uses / expected.misses.sum())
+    assert roomy.flash_bytes_per_token < result.flash_bytes_per_token
+
+
+def test_gpu_memory_override_needs_a_gpu():
+    assert RTX.with_overrides(gpu_bytes=8 * GB).gpu_bytes == 8 * GB
+    with pytest.raises(ConfigError, match="has no GPU"):
+        A18.with_overrides(gpu_bytes=8 * GB)
+    with pytest.raises(ConfigError, match="a GPU needs"):
+        RTX.with_overrides(gpu_bytes=0)
 
 
 def test_latency_is_the_sum_of_its_parts():
@@ -216,6 +339,8 @@ def test_latency_is_the_sum_of_its_parts():
     assert result.latency_s == pytest.approx(result.io_s + result.memory_management_s + result.compute_s)
     assert result.tokens_per_s == pytest.approx(1 / result.latency_s)
     assert result.hit_rate == pytest.approx(result.allocation.cache_fraction)
+    # Without a GPU, DRAM is the only tier: nothing crosses PCIe.
+    assert result.allocation.dram_cache_bytes == result.dram_hit_rate == result.pcie_bytes_per_token == 0
     json.dumps(result.to_dict())
 
 
@@ -240,7 +365,7 @@ def _tiny_model(num_layers: int = 2) -> ModelDims:
     return ModelDims("tiny", num_layers, 512, 64, True, 4, 4, 128, 1000, True, 2.0)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "window", "belady", "none"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "window", "atu", "belady", "none"])
 def test_trace_workload_agrees_with_replay(policy):
     trace = _trace()
     model = _tiny_model()
@@ -352,6 +477,12 @@ def test_trace_warmup_drops_leading_steps():
 def test_bad_inputs_raise_config_error():
     with pytest.raises(ConfigError, match="needs a recorded trace"):
         simulate(A18, Workload(PHI3_MEDIUM), policy="belady")
+    with pytest.raises(ConfigError, match=r"'atu' needs a recorded trace.*consecutive tokens share"):
+        simulate(A18, Workload(PHI3_MEDIUM), policy="atu")
+    with pytest.raises(ConfigError, match="Unknown policy 'mru'"):
+        simulate(A18, Workload(PHI3_MEDIUM), policy="mru")
+    with pytest.raises(ConfigError, match="Unknown DRAM-tier policy 'naive'"):
+        simulate(RTX, Workload(_tiny_model(), _trace()), dram_policy="naive")
     with pytest.raises(ConfigError, match="Unknown policy 'mru'"):
         simulate(A18, Workload(_tiny_model(), _trace()), policy="mru")
     with pytest.raises(ConfigError, match="cannot hold what must stay resident"):
@@ -423,6 +554,42 @@ def test_cmd_simulate_with_a_trace(tmp_path, capsys):
     )
     assert cmd_simulate(args) == 0
     assert json.loads(capsys.readouterr().out)["policy"] == "belady"
+
+
+def test_cmd_simulate_gpu_memory_and_dram_tier(tmp_path, capsys):
+    argv = ["--hardware", "rtx4090-pc", "--model", "opt-6.7b", "--gpu-memory", "8GB", "--dram", "4GB"]
+    assert cmd_simulate(_parse([*argv, "--json"])) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["allocation"]["resident_bytes"] == 8e9
+    assert record["allocation"]["dram_cache_bytes"] == 4e9
+    assert 0 < record["dram_hit_rate"] < 1 and record["pcie_bytes_per_token"] > 0
+    assert cmd_simulate(_parse(argv)) == 0
+    out = capsys.readouterr().out
+    assert "GPU memory" in out and "DRAM hit rate (of GPU misses)" in out and "PCIe per token" in out
+    path = tmp_path / "t.safetensors"
+    _trace(num_layers=32).save(path)
+    trace_argv = ["--trace", str(path), "--policy", "atu", "--dram-policy", "lfu", "--gpu-memory", "5GB"]
+    assert cmd_simulate(_parse([*argv[:4], *trace_argv])) == 0
+    assert "atu (trace), DRAM tier lfu" in capsys.readouterr().out
+    for bad, message in (
+        (["--hardware", "a18", "--gpu-memory", "8GB"], "has no GPU"),
+        (["--hardware", "rtx4090-pc", "--gpu-memory", "lots"], "--gpu-memory: Cannot read 'lots'"),
+        (["--hardware", "rtx4090-pc", "--gpu-memory", "0"], "a GPU needs"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            cmd_simulate(_parse(["--model", "opt-6.7b", *bad]))
+
+
+def test_cmd_simulate_sweeps_the_dram_tier_with_a_gpu(capsys):
+    argv = ["--hardware", "rtx4090-pc", "--model", "opt-6.7b", "--gpu-memory", "8GB"]
+    assert cmd_simulate(_parse([*argv, "--sweep-dram", "0GB,4GB,16GB"])) == 0
+    out = capsys.readouterr().out
+    assert "| GPU hit rate | DRAM hit rate |" in out and out.count("| lfu |") == 3
+    assert cmd_simulate(_parse([*argv, "--sweep-dram", "0GB,4GB,16GB", "--json"])) == 0
+    results = json.loads(capsys.readouterr().out)["lfu"]
+    assert [r["dram_hit_rate"] for r in results] == sorted(r["dram_hit_rate"] for r in results)
+    assert results[0]["flash_bytes_per_token"] > results[1]["flash_bytes_per_token"] > 0
+    assert results[2]["flash_bytes_per_token"] == 0
 
 
 def test_cmd_simulate_unknown_model():

@@ -12,7 +12,8 @@ from pathlib import Path
 from .._utils import format_bytes, parse_bytes
 from ..errors import ConfigError
 from ..trace import Trace
-from .hardware import PRESETS, get_preset
+from .hardware import PRESETS, HardwareProfile, get_preset
+from .replay import REPLAY_POLICIES
 from .simulator import (
     ANALYTIC_POLICIES,
     MODEL_PRESETS,
@@ -32,7 +33,8 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
         description=(
             "Latency per token (flash I/O + memory management + compute), hit rate and tokens/s of a "
             "model on a hardware profile, with attention, embeddings and KV cache resident and the rest "
-            "of memory split across MLP layers as their neuron cache."
+            "of memory split across MLP layers as their neuron cache. With a GPU, GPU memory holds the "
+            "resident parts and the first cache tier, and DRAM a second tier fed by the GPU's misses."
         ),
     )
     parser.add_argument(
@@ -52,7 +54,13 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     parser.add_argument(
         "--policy",
         default="lfu",
-        help=f"analytic: {', '.join(ANALYTIC_POLICIES)}; trace: {', '.join(TRACE_POLICIES)} (default lfu)",
+        help=f"analytic: {', '.join(ANALYTIC_POLICIES)}; trace: {', '.join(TRACE_POLICIES)} (default lfu; "
+        "with a GPU, the GPU tier's)",
+    )
+    parser.add_argument(
+        "--dram-policy",
+        default="lru",
+        help=f"trace with a GPU: the DRAM tier's policy, one of {', '.join(REPLAY_POLICIES)} (default lru)",
     )
     parser.add_argument(
         "--density", type=float, default=1.0, help="analytic: MLP units used per token (default 1)"
@@ -72,7 +80,10 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     parser.add_argument(
         "--dram",
         default=None,
-        help="override DRAM, e.g. 4GB (holds the weights unless the profile has a GPU)",
+        help="override DRAM, e.g. 4GB (holds the weights; with a GPU, the second-tier MLP cache)",
+    )
+    parser.add_argument(
+        "--gpu-memory", default=None, help="override GPU memory, e.g. 8GB (profiles with a GPU only)"
     )
     parser.add_argument(
         "--flash-bandwidth", default=None, help="override flash with one flat speed per second, e.g. 1GB"
@@ -82,7 +93,8 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     parser.add_argument(
         "--sweep-dram",
         default=None,
-        help="comma-separated DRAM sizes (e.g. 2GB,4GB,6GB): simulate each, print a table, plot with --plot",
+        help="comma-separated DRAM sizes (e.g. 2GB,4GB,6GB): simulate each, print a table, plot with "
+        "--plot; with a GPU, sizes of the DRAM tier (GPU memory stays)",
     )
     parser.add_argument(
         "--policies",
@@ -108,14 +120,11 @@ def _model(spec: str, bits: float) -> ModelDims:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Run one simulation and print a table (or JSON with --json)."""
-    profile = get_preset(args.hardware)
-    if args.dram is not None or args.flash_bandwidth is not None:
-        profile = profile.with_overrides(
-            dram_bytes=None if args.dram is None else float(parse_bytes(args.dram)),
-            flash_bandwidth=None
-            if args.flash_bandwidth is None
-            else float(parse_bytes(args.flash_bandwidth)),
-        )
+    profile = get_preset(args.hardware).with_overrides(
+        dram_bytes=_size("--dram", args.dram),
+        flash_bandwidth=_size("--flash-bandwidth", args.flash_bandwidth),
+        gpu_bytes=_size("--gpu-memory", args.gpu_memory),
+    )
     model = _model(args.model, args.bits)
     if args.trace is not None:
         demand: AnalyticDemand | Trace = Trace.load(args.trace)
@@ -138,24 +147,42 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         window=args.window,
         warmup=args.warmup,
         include_compute=not args.no_compute,
+        dram_policy=args.dram_policy,
     )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
     alloc = result.allocation
+    gpu = profile.has_gpu
+    policy = result.policy + (" (trace)" if args.trace else " (analytic)")
+    if gpu and args.trace:
+        policy += f", DRAM tier {args.dram_policy}"
     rows = [
         ("hardware", result.hardware),
         ("model", f"{result.model} ({format_bytes(model.weight_bytes)})"),
-        ("policy", result.policy + (" (trace)" if args.trace else " (analytic)")),
-        ("resident memory", format_bytes(alloc.resident_bytes)),
+        ("policy", policy),
+        ("GPU memory" if gpu else "resident memory", format_bytes(alloc.resident_bytes)),
         ("  static (attn, emb, aux)", format_bytes(alloc.static_bytes)),
         ("  KV cache", format_bytes(alloc.kv_bytes)),
         ("  MLP cache", f"{format_bytes(alloc.mlp_cache_bytes)} of {format_bytes(alloc.mlp_bytes)}"),
+    ]
+    if gpu:
+        rows.append(
+            ("DRAM MLP cache", f"{format_bytes(alloc.dram_cache_bytes)} of {format_bytes(alloc.mlp_bytes)}")
+        )
+    rows += [
         (
             "flash per token",
             f"{format_bytes(result.flash_bytes_per_token)} in {result.flash_requests_per_token:.0f} requests",
         ),
-        ("hit rate", f"{result.hit_rate:.1%}"),
+        ("GPU hit rate" if gpu else "hit rate", f"{result.hit_rate:.1%}"),
+    ]
+    if gpu:
+        rows += [
+            ("DRAM hit rate (of GPU misses)", f"{result.dram_hit_rate:.1%}"),
+            ("PCIe per token", format_bytes(result.pcie_bytes_per_token)),
+        ]
+    rows += [
         ("flash I/O", f"{result.io_s * 1e3:.1f} ms"),
         ("memory management", f"{result.memory_management_s * 1e3:.1f} ms"),
         ("compute", f"{result.compute_s * 1e3:.1f} ms"),
@@ -168,7 +195,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sweep(args: argparse.Namespace, profile, workload: Workload) -> int:
+def _size(option: str, value: str | None) -> float | None:
+    """The byte size given to `option`, None when it was not given; `ConfigError` naming the option."""
+    if value is None:
+        return None
+    try:
+        return float(parse_bytes(value))
+    except ConfigError as exc:
+        raise ConfigError(f"{option}: {exc}") from None
+
+
+def _sweep(args: argparse.Namespace, profile: HardwareProfile, workload: Workload) -> int:
     """`--sweep-dram`: every size x policy, a table of latency / I/O / hit rate, and the plot."""
     from .plots import plot_memory_sweep, sweep_memory
 
@@ -182,6 +219,7 @@ def _sweep(args: argparse.Namespace, profile, workload: Workload) -> int:
         window=args.window,
         warmup=args.warmup,
         include_compute=not args.no_compute,
+        dram_policy=args.dram_policy,
     )
     if args.json:
         print(
@@ -190,13 +228,19 @@ def _sweep(args: argparse.Namespace, profile, workload: Workload) -> int:
             )
         )
     else:
-        print("| policy | DRAM | latency ms | flash I/O ms | flash per token | hit rate | tokens/s |")
-        print("|---|---|---|---|---|---|---|")
+        gpu = profile.has_gpu
+        print(
+            "| policy | DRAM | latency ms | flash I/O ms | flash per token | "
+            + ("GPU hit rate | DRAM hit rate |" if gpu else "hit rate |")
+            + " tokens/s |"
+        )
+        print("|---" * (8 if gpu else 7) + "|")
         for policy, results in sweep.items():
             for size, r in zip(sizes, results, strict=True):
+                hit_rates = f"{r.hit_rate:.1%} |" + (f" {r.dram_hit_rate:.1%} |" if gpu else "")
                 print(
                     f"| {policy} | {format_bytes(size)} | {1e3 * r.latency_s:.1f} | {1e3 * r.io_s:.1f} "
-                    f"| {format_bytes(r.flash_bytes_per_token)} | {r.hit_rate:.1%} | {r.tokens_per_s:.3f} |"
+                    f"| {format_bytes(r.flash_bytes_per_token)} | {hit_rates} {r.tokens_per_s:.3f} |"
                 )
     if args.plot is not None:
         print(f"wrote {plot_memory_sweep(sweep, sizes, args.plot)}")

@@ -32,16 +32,19 @@ class HardwareProfile:
     Attributes:
         name: a label for reports.
         dram_bytes: DRAM available to the model (what the OS and other apps leave; DIP app. A).
-        dram_bandwidth: DRAM read/write bandwidth (bytes/s); bounds compute (every weight used by a
-            token is read once) and memory management (every loaded byte is written once).
+            With a GPU it is the second cache tier, between GPU memory and flash (M2Cache §5).
+        dram_bandwidth: DRAM read/write bandwidth (bytes/s); bounds compute without a GPU (every
+            weight used by a token is read once) and memory management (every byte loaded from
+            flash is written once).
         flash_sequential_bandwidth: throughput of long linear reads (bytes/s).
         flash_random: (chunk bytes, bytes/s) points for scattered reads of one chunk size, sorted
             by chunk size; throughput between points is interpolated in log(chunk), and clamped
             to the end points outside them (and to the sequential bandwidth above it).
         gpu_bytes: GPU memory, if weights are computed on a discrete GPU; the resident weights
-            and neuron cache then live there instead of in DRAM.
+            and the first-tier neuron cache then live there, and DRAM holds the second tier.
         gpu_bandwidth: GPU memory bandwidth (bytes/s); bounds compute when `gpu_bytes` is set.
-        pcie_bandwidth: host-to-GPU bandwidth (bytes/s); every byte loaded from flash crosses it.
+        pcie_bandwidth: host-to-GPU bandwidth (bytes/s); every MLP byte the GPU tier misses
+            crosses it, whether DRAM or flash serves it.
     """
 
     name: str
@@ -111,15 +114,27 @@ class HardwareProfile:
         return float(min(rate, self.flash_sequential_bandwidth))
 
     def with_overrides(
-        self, *, dram_bytes: float | None = None, flash_bandwidth: float | None = None
+        self,
+        *,
+        dram_bytes: float | None = None,
+        flash_bandwidth: float | None = None,
+        gpu_bytes: float | None = None,
     ) -> HardwareProfile:
-        """This profile with another DRAM size, or with flash at one flat `flash_bandwidth`.
+        """This profile with another DRAM or GPU memory size, or with flash at one flat speed.
 
-        A flat flash speed is how DIP's ablations are stated (Table 6: 0.5, 1 and 2 GB/s).
+        A flat flash speed is how DIP's ablations are stated (Table 6: 0.5, 1 and 2 GB/s). Raises
+        `ConfigError` for `gpu_bytes` on a profile without a GPU (its bandwidths are unknown).
         """
         fields = dict(self.__dict__)
         if dram_bytes is not None:
             fields["dram_bytes"] = dram_bytes
+        if gpu_bytes is not None:
+            if not self.has_gpu:
+                raise ConfigError(
+                    f"HardwareProfile {self.name!r} has no GPU, so its GPU memory cannot be set: pick a "
+                    f"profile with one ({', '.join(n for n, p in PRESETS.items() if p.has_gpu)})."
+                )
+            fields["gpu_bytes"] = gpu_bytes
         if flash_bandwidth is not None:
             fields["flash_sequential_bandwidth"] = flash_bandwidth
             fields["flash_random"] = ((1.0, flash_bandwidth),)

@@ -21,8 +21,9 @@ def sweep_memory(
 ) -> dict[str, list[SimulationResult]]:
     """`simulate` at every DRAM size for every policy: `{policy: [result per size]}`.
 
-    `options` go to `simulate` (window, warmup, include_compute). A size too small for the static
-    allocation raises `ConfigError` from `simulate`, naming what does not fit.
+    With a GPU the sizes are the DRAM tier's (GPU memory stays as the profile gives it). `options`
+    go to `simulate` (window, warmup, include_compute, dram_policy). A size too small for the
+    static allocation raises `ConfigError` from `simulate`, naming what does not fit.
     """
     return {
         policy: [
@@ -36,7 +37,8 @@ def sweep_memory(
 def plot_memory_sweep(
     sweep: dict[str, list[SimulationResult]], dram_sizes: Sequence[float], path: str | Path
 ) -> Path:
-    """Two panels against the DRAM budget: latency per token split by part for each policy, and hit rate."""
+    """Two panels against the DRAM budget: latency per token (total and flash I/O) for each policy, and
+    hit rate (with a GPU, the DRAM tier's hit rate of the GPU's misses dashed beside the GPU's)."""
     from matplotlib.figure import Figure
 
     gb = [size / 1e9 for size in dram_sizes]
@@ -48,6 +50,14 @@ def plot_memory_sweep(
             gb, [1e3 * r.io_s for r in results], ls="--", color=line.get_color(), label=f"{policy}: flash I/O"
         )
         hits.plot(gb, [100 * r.hit_rate for r in results], marker="o", color=line.get_color(), label=policy)
+        if any(r.allocation.dram_cache_bytes for r in results):
+            hits.plot(
+                gb,
+                [100 * r.dram_hit_rate for r in results],
+                ls="--",
+                color=line.get_color(),
+                label=f"{policy}: DRAM tier",
+            )
     first = next(iter(sweep.values()))[0]
     latency.set_title(f"{first.model} on {first.hardware}", fontsize=9)
     latency.set_xlabel("DRAM budget (GB)")

@@ -6,10 +6,17 @@ One cost model for DIP's hardware simulator (appendix A) and LLM in a flash's (ย
   (attention, embeddings and output head, the KV cache of the context) stays resident; the rest of
   the resident memory (DRAM, or GPU memory on a discrete GPU) is split uniformly across the MLP
   layers as their neuron cache.
+* With a discrete GPU the MLP cache has two tiers (M2Cache ยง5: HBM cache, DRAM cache, SSD). GPU
+  memory holds the static allocation and the first tier; DRAM holds the second tier, all of
+  `dram_bytes` (assumed to be what the OS and other programs leave, as without a GPU), split
+  uniformly across the MLP layers too. The hierarchy is non-inclusive: what the GPU tier misses is
+  looked up in DRAM, what DRAM misses is read from flash and written into DRAM.
 * A token's MLP demand comes either from an analytic model (dense; a fixed density of units
   chosen independently of the cache; LLM in a flash's sliding window with its measured load
   fraction) or from a `Trace` recorded by a real flashlm run, replayed through the real
-  `NeuronCache` by `flashlm.sim.replay` under LRU, LFU, sliding window or Belady.
+  `NeuronCache` by `flashlm.sim.replay` under LRU, LFU, sliding window, M2Cache's Adjacent Token
+  Update (ATU) or Belady. With a GPU the DRAM tier replays the GPU tier's misses, step by step,
+  under its own policy (`dram_policy`).
 * Latency per token = flash I/O + memory management + compute, summed as LLM in a flash Table 3
   reports them:
   - flash I/O: missed bytes at the profile's flash throughput: sequential for a long contiguous
@@ -22,17 +29,19 @@ One cost model for DIP's hardware simulator (appendix A) and LLM in a flash's (ย
     is measured throughput at the reader's concurrency (4 threads for "this-machine"), so it
     already carries the per-request cost amortized over the requests in flight; no separate
     latency term is added;
-  - memory management: every loaded byte written once into DRAM (and, with a GPU, sent once over
-    PCIe);
+  - memory management: every byte read from flash written once into DRAM; with a GPU, every MLP
+    byte the GPU tier misses (served from DRAM, or read from flash: the read's bytes) sent once
+    over PCIe;
   - compute: decode GEMVs are memory-bound, so every weight the token uses and the KV cache are read
     once at the resident memory's bandwidth. DIP's simulator leaves compute out ("we do not simulate
     NPU inference times", ยง6): pass `include_compute=False` to match it.
 * Analytic demand assumes units are needed independently of what the cache holds, so a cache
   holding a fraction f of the MLP serves a fraction f of each token's units (for dense demand the
   cache is a fixed subset: the steady state of LFU; LRU would thrash on a cyclic scan). Traces carry
-  real reuse.
-
-M2Cache's Adjacent Token Update (ATU) is not modelled.
+  real reuse. With a GPU, under "lfu" the DRAM tier is a fixed subset disjoint from the GPU's (it
+  keeps what the GPU misses): with fractions f_g and f_d of the MLP, DRAM serves min(f_d, 1 - f_g)
+  of each token's units and flash the rest; under "window" DRAM serves f_d of the window's loads.
+  ATU needs a trace: its hits are the units consecutive tokens share.
 
 Published figures this model does not reproduce from the papers' stated inputs (not pinned, no
 constant tuned to force them; tests/test_simulator.py pins the ones it does):
@@ -57,11 +66,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..errors import ConfigError, UnsupportedArchitectureError
 from ..store.reader import DEFAULT_CHUNK_BYTES, DEFAULT_MERGE_GAP_BYTES, plan_reads, split_chunks
 from ..store.rowfile import ALIGNMENT
-from ..trace import Trace
+from ..trace import ID_DTYPE, OFFSET_DTYPE, Trace
 from .hardware import HardwareProfile
 from .replay import REPLAY_POLICIES, replay
 
@@ -292,8 +302,11 @@ class Allocation:
         static_bytes: attention, embeddings, head and auxiliary modules, resident for good (0 under
             "naive").
         kv_bytes: the KV cache of the context.
-        mlp_cache_bytes: what is left, the MLP layers' neuron cache (all layers together).
+        mlp_cache_bytes: what is left, the MLP layers' neuron cache (all layers together); with a
+            GPU, the first tier.
         mlp_bytes: the MLP weights the cache is carved out for.
+        dram_cache_bytes: with a GPU, the second-tier MLP cache in DRAM (all layers together); 0
+            without a GPU, where DRAM is the resident memory.
     """
 
     resident_bytes: float
@@ -301,18 +314,29 @@ class Allocation:
     kv_bytes: float
     mlp_cache_bytes: float
     mlp_bytes: float
+    dram_cache_bytes: float = 0.0
 
     @property
     def cache_fraction(self) -> float:
         """The fraction of each MLP layer's units the uniform split lets it cache."""
-        return min(1.0, self.mlp_cache_bytes / self.mlp_bytes) if self.mlp_bytes else 0.0
+        return self._fraction(self.mlp_cache_bytes)
+
+    @property
+    def dram_cache_fraction(self) -> float:
+        """The fraction of each MLP layer's units the DRAM tier caches (0 without a GPU)."""
+        return self._fraction(self.dram_cache_bytes)
+
+    def _fraction(self, cache_bytes: float) -> float:
+        return min(1.0, cache_bytes / self.mlp_bytes) if self.mlp_bytes else 0.0
 
 
 def allocate(profile: HardwareProfile, workload: Workload, *, policy: str = "lfu") -> Allocation:
     """Split the resident memory as DIP appendix A does: static parts first, the rest to MLP caches.
 
-    Under "naive" nothing is resident but the KV cache; under "none" the static parts are, and the
-    MLP cache is empty. Raises `ConfigError` when memory holds not even what must be resident.
+    With a GPU, GPU memory is the resident memory and DRAM the second-tier MLP cache (all of
+    `dram_bytes`, up to the MLP bytes). Under "naive" nothing is resident but the KV cache; under
+    "none" the static parts are; under both the MLP cache is empty, in either tier. Raises
+    `ConfigError` when memory holds not even what must be resident.
     """
     model = workload.model
     resident = profile.resident_bytes
@@ -324,10 +348,12 @@ def allocate(profile: HardwareProfile, workload: Workload, *, policy: str = "lfu
             f"{profile.name}: {resident / 1e9:.2f} GB of memory cannot hold what must stay resident for "
             f"{model.name}: {static / 1e9:.2f} GB of attention, embeddings and auxiliary modules and a "
             f"{kv / 1e9:.2f} GB KV cache ({workload.context_length} tokens). Give more memory "
-            f"(--dram), a shorter context, or policy 'naive'."
+            f"({'--gpu-memory' if profile.has_gpu else '--dram'}), a shorter context, or policy 'naive'."
         )
-    cache = 0.0 if policy in ("none", "naive") else min(resident - static - kv, mlp_bytes)
-    return Allocation(resident, static, kv, cache, mlp_bytes)
+    if policy in ("none", "naive"):
+        return Allocation(resident, static, kv, 0.0, mlp_bytes)
+    dram_cache = min(float(profile.dram_bytes), mlp_bytes) if profile.has_gpu else 0.0
+    return Allocation(resident, static, kv, min(resident - static - kv, mlp_bytes), mlp_bytes, dram_cache)
 
 
 def _static_weight_bytes(workload: Workload) -> float:
@@ -357,6 +383,10 @@ class SimulationResult:
         flash_requests_per_token: scattered flash requests per token (a trace: the reader's
             planned requests; analytic demand: one per missed unit or bundle); long sequential
             reads are not counted.
+        dram_hit_rate: with a GPU, the fraction of the units (analytic: bytes) the GPU tier missed
+            that the DRAM tier served; 0 without a GPU.
+        pcie_bytes_per_token: with a GPU, bytes sent over PCIe per token (served from DRAM, or
+            read from flash); their time is part of `memory_management_s`. 0 without a GPU.
     """
 
     hardware: str
@@ -370,6 +400,8 @@ class SimulationResult:
     chunk_bytes: float
     allocation: Allocation
     flash_requests_per_token: float = 0.0
+    dram_hit_rate: float = 0.0
+    pcie_bytes_per_token: float = 0.0
 
     @property
     def latency_s(self) -> float:
@@ -396,36 +428,65 @@ def simulate(
     warmup: int = 0,
     include_compute: bool = True,
     capacities: Mapping[tuple[int, str] | str, int] | None = None,
+    dram_policy: str = "lru",
 ) -> SimulationResult:
     """Mean latency per token of `workload` on `profile` under `policy`.
 
     Args:
         profile: the hardware.
         workload: the model and its MLP demand (analytic or a trace).
-        policy: `ANALYTIC_POLICIES` for analytic demand, `TRACE_POLICIES` for a trace.
-        window: the sliding window in tokens, for policy "window" on a trace.
-        warmup: for a trace, leading steps left out of the means (the cache filling up).
+        policy: `ANALYTIC_POLICIES` for analytic demand, `TRACE_POLICIES` for a trace; with a GPU,
+            the GPU tier's policy.
+        window: the sliding window in tokens, for policy "window" on a trace (either tier).
+        warmup: for a trace, leading steps left out of the means (the caches filling up).
         include_compute: add the memory-bound compute term (DIP's simulator leaves it out).
         capacities: for a trace, the slots of every (layer, kind) cache, keyed `(layer, kind)` or
             `"layer/kind"` (a decode result's `capacities`), instead of the uniform split: the
-            replay then reproduces that run's hits and misses. Not for analytic demand.
+            replay then reproduces that run's hits and misses. With a GPU they are the GPU tier's.
+            Not for analytic demand.
+        dram_policy: with a GPU and a trace, the DRAM tier's policy (one of `REPLAY_POLICIES`).
+            Analytic demand models the DRAM tier as a fixed subset; without a GPU DRAM is the only
+            tier and `policy` governs it.
 
-    Raises `ConfigError` for an unknown policy, a window demand without its figures, memory too
-    small for the static allocation, or a warmup that leaves no step.
+    Raises `ConfigError` for an unknown policy, a policy that needs a trace on analytic demand, a
+    window demand without its figures, memory too small for the static allocation, or a warmup
+    that leaves no step.
     """
+    if dram_policy not in REPLAY_POLICIES:
+        raise ConfigError(
+            f"Unknown DRAM-tier policy {dram_policy!r}. Available: {', '.join(REPLAY_POLICIES)}."
+        )
     if isinstance(workload.demand, Trace):
         if policy not in TRACE_POLICIES:
             raise ConfigError(
                 f"Unknown policy {policy!r} for a trace. Available: {', '.join(TRACE_POLICIES)}."
             )
         return _simulate_trace(
-            profile, workload, workload.demand, policy, window, warmup, include_compute, capacities
+            profile,
+            workload,
+            workload.demand,
+            policy,
+            window,
+            warmup,
+            include_compute,
+            capacities,
+            dram_policy,
         )
     if capacities is not None:
         raise ConfigError("capacities apply to a trace workload only.")
     if policy not in ANALYTIC_POLICIES:
+        if policy not in TRACE_POLICIES:
+            raise ConfigError(
+                f"Unknown policy {policy!r}. Analytic demand takes {', '.join(ANALYTIC_POLICIES)}; a "
+                f"trace takes {', '.join(TRACE_POLICIES)}."
+            )
+        why = (
+            " ATU's hits are the units consecutive tokens share, which only a trace records."
+            if policy == "atu"
+            else ""
+        )
         raise ConfigError(
-            f"Policy {policy!r} needs a recorded trace (--trace); analytic demand takes "
+            f"Policy {policy!r} needs a recorded trace (--trace).{why} Analytic demand takes "
             f"{', '.join(ANALYTIC_POLICIES)}."
         )
     return _simulate_analytic(profile, workload, workload.demand, policy, include_compute)
@@ -448,11 +509,18 @@ def _finish(
     chunk_bytes: float,
     include_compute: bool,
     flash_requests: float,
+    dram_served_bytes: float,
+    dram_hit_rate: float,
 ) -> SimulationResult:
-    """Add memory management and compute to the I/O and package the result."""
+    """Add memory management and compute to the I/O and package the result.
+
+    `dram_served_bytes` are the MLP bytes per token the DRAM tier served (0 without a GPU).
+    """
     mm_s = flash_bytes / profile.dram_bandwidth
+    pcie_bytes = 0.0
     if profile.pcie_bandwidth is not None:
-        mm_s += flash_bytes / profile.pcie_bandwidth
+        pcie_bytes = dram_served_bytes + flash_bytes
+        mm_s += pcie_bytes / profile.pcie_bandwidth
     compute_s = 0.0
     if include_compute:
         static = workload.model.per_token_static_read_bytes + workload.extra_static_bytes
@@ -470,6 +538,8 @@ def _finish(
         chunk_bytes=chunk_bytes,
         allocation=allocation,
         flash_requests_per_token=flash_requests,
+        dram_hit_rate=dram_hit_rate,
+        pcie_bytes_per_token=pcie_bytes,
     )
 
 
@@ -485,6 +555,7 @@ def _simulate_analytic(
     needed = demand.density * model.mlp_bytes
     chunk = _chunk_bytes(model, demand.bundled)
     sequential_bytes = 0.0
+    dram_served = 0.0  # with a GPU: the DRAM tier's share of what the GPU tier misses
     if policy == "naive":
         # LLM in a flash's naive baseline: the whole model, one long read per token.
         sequential_bytes = model.weight_bytes + workload.extra_static_bytes
@@ -502,11 +573,17 @@ def _simulate_analytic(
                 f"The sliding window keeps {window_bytes / 1e9:.2f} GB of MLP rows resident but only "
                 f"{allocation.mlp_cache_bytes / 1e9:.2f} GB is left for MLP caches."
             )
-        scattered_bytes = demand.load_fraction * model.mlp_bytes
-        hits = max(0.0, needed - scattered_bytes)
+        loaded = demand.load_fraction * model.mlp_bytes
+        hits = max(0.0, needed - loaded)
+        dram_served = allocation.dram_cache_fraction * loaded
+        scattered_bytes = loaded - dram_served
     else:
+        # Fixed cached subsets; the DRAM tier's is disjoint from the GPU's (it keeps what the GPU misses).
+        uncached = 1.0 - allocation.cache_fraction
+        from_dram = min(allocation.dram_cache_fraction, uncached)
         hits = allocation.cache_fraction * needed
-        missed = needed - hits
+        dram_served = from_dram * needed
+        missed = (uncached - from_dram) * needed
         if demand.density == 1.0:
             # Dense: each layer's uncached remainder is one contiguous region.
             sequential_bytes, scattered_bytes = missed, 0.0
@@ -515,6 +592,7 @@ def _simulate_analytic(
     io_s = sequential_bytes / profile.flash_bandwidth(1, sequential=True)
     if scattered_bytes:
         io_s += scattered_bytes / profile.flash_bandwidth(chunk)
+    gpu_missed = dram_served + sequential_bytes + scattered_bytes
     return _finish(
         profile,
         workload,
@@ -527,6 +605,8 @@ def _simulate_analytic(
         chunk_bytes=chunk if scattered_bytes else 0.0,
         include_compute=include_compute,
         flash_requests=scattered_bytes / chunk,
+        dram_served_bytes=dram_served,
+        dram_hit_rate=dram_served / gpu_missed if gpu_missed else 0.0,
     )
 
 
@@ -589,6 +669,24 @@ def _normalize_capacities(capacities: Mapping[tuple[int, str] | str, int]) -> di
     return out
 
 
+def _miss_trace(trace: Trace, missed_ids: Mapping[tuple[int, str], list[np.ndarray]]) -> Trace:
+    """The units each (layer, kind) of `trace` missed at each step, as a trace: what the next tier sees."""
+    data = {}
+    for key, steps in missed_ids.items():
+        offsets = np.zeros(len(steps) + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([len(ids) for ids in steps])
+        ids = np.concatenate([np.zeros(0, dtype=np.int64), *steps])
+        data[key] = (torch.from_numpy(ids).to(ID_DTYPE), torch.from_numpy(offsets).to(OFFSET_DTYPE))
+    return Trace(
+        num_layers=trace.num_layers,
+        num_units=trace.num_units,
+        unit_bytes=trace.unit_bytes,
+        data=data,
+        num_steps=trace.num_steps,
+        metadata=trace.metadata,
+    )
+
+
 def _simulate_trace(
     profile: HardwareProfile,
     workload: Workload,
@@ -598,6 +696,7 @@ def _simulate_trace(
     warmup: int,
     include_compute: bool,
     capacities: Mapping[tuple[int, str] | str, int] | None,
+    dram_policy: str,
 ) -> SimulationResult:
     if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup < trace.num_steps:
         raise ConfigError(
@@ -618,15 +717,30 @@ def _simulate_trace(
     steps = slice(warmup, None)
     num_steps = trace.num_steps - warmup
     hits, misses = int(replayed.hits[steps].sum()), int(replayed.misses[steps].sum())
+    assert replayed.missed_ids is not None
+    flash_missed = replayed.missed_ids
+    dram_served, dram_hit_rate = 0.0, 0.0
+    if allocation.dram_cache_bytes:
+        # The DRAM tier sees the GPU tier's misses, step by step; flash serves what it misses.
+        dram = replay(
+            _miss_trace(trace, replayed.missed_ids),
+            capacity=allocation.dram_cache_fraction,
+            policy=dram_policy,
+            window=window,
+            record_misses=True,
+        )
+        assert dram.missed_ids is not None
+        flash_missed = dram.missed_ids
+        dram_served = float((replayed.bytes_read[steps] - dram.bytes_read[steps]).sum()) / num_steps
+        dram_hit_rate = int(dram.hits[steps].sum()) / misses if misses else 0.0
     # Each (layer, kind)'s misses of a step are one reader call: the reader's plan (aligned extents,
     # merged runs, chunked requests) gives the bytes read, over-read included, and the requests;
     # each request takes its size over the profile's throughput at that size.
-    assert replayed.missed_ids is not None
     sizes = np.concatenate(
         [np.zeros(0, dtype=np.int64)]
         + [
             plan_trace_reads(missed[steps], trace.unit_bytes[kind], trace.num_units[kind])
-            for (_, kind), missed in replayed.missed_ids.items()
+            for (_, kind), missed in flash_missed.items()
         ]
     )
     flash_bytes = float(sizes.sum()) / num_steps
@@ -657,4 +771,6 @@ def _simulate_trace(
         chunk_bytes=chunk,
         include_compute=include_compute,
         flash_requests=requests,
+        dram_served_bytes=dram_served,
+        dram_hit_rate=dram_hit_rate,
     )
