@@ -179,6 +179,20 @@ def test_unknown_preset_names_the_available_ones():
 # ---- static allocation (DIP appendix A) --------------------------------------------------------
 
 
+def test_profile_round_trips_through_json(tmp_path):
+    """A saved profile (what benchmarks/reader_profile.py writes) loads back equal, also via --hardware FILE."""
+    from flashlm.sim.hardware import load_profile, save_profile
+
+    path = save_profile(PRESETS["rtx4090-pc"], tmp_path / "pc.json")
+    assert load_profile(path) == PRESETS["rtx4090-pc"]
+    assert get_preset(str(path)) == PRESETS["rtx4090-pc"]
+    with pytest.raises(ConfigError, match="No hardware profile"):
+        get_preset(str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text('{"name": "x"}')
+    with pytest.raises(ConfigError, match="not a hardware profile"):
+        load_profile(tmp_path / "bad.json")
+
+
 def test_static_allocation_leaves_the_rest_for_mlps():
     workload = Workload(PHI3_MEDIUM, context_length=1024)
     alloc = allocate(A18, workload)

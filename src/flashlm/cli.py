@@ -163,6 +163,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from .config import Budget
     from .eval import bench
+    from .eval.corpora import require
     from .models import default_model_path
 
     model_path = Path(args.model) if args.model else default_model_path()
@@ -183,29 +184,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         pruned=Path(args.pruned) if args.pruned else None,
         cold=cold,
     )
+    if args.ppl_tokens:
+        require(args.corpus)  # an unknown or missing corpus fails before the long runs
     work = Path(args.work) if args.work else None
     if work is not None:
         work.mkdir(parents=True, exist_ok=True)
     throughput = [] if args.no_disk else bench.disk_throughput(work or Path("/var/tmp"))
-    perplexity = (
-        bench.perplexities(
-            model_path,
-            specs,
-            num_tokens=args.ppl_tokens,
-            context_length=args.ppl_context,
-            corpus=args.corpus,
-        )
-        if args.ppl_tokens
-        else None
-    )
     report = bench.run_bench(
-        model_path,
-        specs,
-        new_tokens=args.new_tokens,
-        work_dir=work,
-        throughput=throughput,
-        perplexity=perplexity,
+        model_path, specs, new_tokens=args.new_tokens, work_dir=work, throughput=throughput
     )
+    if args.ppl_tokens:
+        # After the decode runs: each runs in a child process, which would inherit this process's
+        # peak RSS (fork copies it) and report the perplexity models' memory as its own.
+        perplexity = bench.perplexities(
+            model_path, specs, num_tokens=args.ppl_tokens, context_length=args.ppl_context, corpus=args.corpus
+        )
+        bench.add_perplexity(report, perplexity)
     written = bench.save(report, Path(args.out))
     print(bench.markdown(report))
     print(f"\nwrote {', '.join(map(str, written))}")

@@ -190,13 +190,11 @@ def run_bench(
     new_tokens: int,
     work_dir: Path | None = None,
     throughput: list[dict[str, Any]] | None = None,
-    perplexity: dict[str, Any] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run every spec and return `{"results": [...], "throughput": [...]}`, each result with its ratio to
-    the naive baseline and its fraction of the disk bound added, and its perplexity when `perplexity`
-    (from `perplexities`) is given. Offload folders go under `work_dir`, or a temporary directory
-    removed after."""
+    the naive baseline and its fraction of the disk bound added. Offload folders go under `work_dir`,
+    or a temporary directory removed after."""
     from tqdm.auto import tqdm
 
     with contextlib.ExitStack() as stack:
@@ -213,8 +211,6 @@ def run_bench(
                 spec, model_path, new_tokens=new_tokens, offload_dir=work_dir / spec["name"]
             )
             result.update({key: spec[key] for key in ("memory_layers", "model") if key in spec})
-            if perplexity is not None:
-                result["perplexity"] = perplexity["by_config"][spec["name"]]
             results.append(result)
     best = max((cell["bytes_per_s"] for cell in throughput or []), default=math.nan)
     naive = next((r for r in results if r["config"] in (NAIVE, "accelerate-warm")), None)
@@ -225,10 +221,14 @@ def run_bench(
         streams = result["kind"] in ("accelerate-cold", "flashlm") and per_token > 0
         result["bound_tok_s"] = best / per_token if streams else math.inf
         result["fraction_of_bound"] = result["decode_tok_s"] / result["bound_tok_s"] if streams else math.nan
-    report = {"results": results, "throughput": throughput or [], "best_throughput": best}
-    if perplexity is not None:
-        report["perplexity"] = {key: value for key, value in perplexity.items() if key != "by_config"}
-    return report
+    return {"results": results, "throughput": throughput or [], "best_throughput": best}
+
+
+def add_perplexity(report: dict[str, Any], perplexity: dict[str, Any]) -> None:
+    """Put each configuration's perplexity (from `perplexities`) into `report`, with how it was measured."""
+    for result in report["results"]:
+        result["perplexity"] = perplexity["by_config"][result["config"]]
+    report["perplexity"] = {key: value for key, value in perplexity.items() if key != "by_config"}
 
 
 def markdown(report: dict[str, Any]) -> str:

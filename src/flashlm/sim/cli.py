@@ -38,7 +38,9 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
         ),
     )
     parser.add_argument(
-        "--hardware", default="a18", help=f"hardware preset: {', '.join(PRESETS)} (default a18)"
+        "--hardware",
+        default="a18",
+        help=f"hardware preset ({', '.join(PRESETS)}; default a18) or a profile .json (save_profile)",
     )
     parser.add_argument(
         "--model",

@@ -12,8 +12,11 @@ it already includes the per-request latency; no separate latency term is added o
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -202,13 +205,59 @@ PRESETS: dict[str, HardwareProfile] = {
             (1 * MiB, 1542e6),
         ),
     ),
+    # The same machine as flashlm's reader delivers flash during a decode: StoreReader calls on the
+    # SmolLM2 store (runs of 1..64 rows of 3456 bytes, and whole files), timed inside `read` as the
+    # runtime's io_busy is, with an in-RAM decode of SmolLM2 running beside them:
+    #   python benchmarks/reader_profile.py --load decode      (3 s per cell; 2026-11-21)
+    # Points are (mean request bytes, MB/s). Slower than the raw disk above: each call also plans,
+    # waits on its 4 threads and gathers rows, and shares two cores with the model. Measured on
+    # synthetic read patterns, not on the traces benchmarks/sim_validation.py replays.
+    "this-machine-decode": HardwareProfile(
+        name="this machine, reader during decode (benchmarks/reader_profile.py)",
+        dram_bytes=23 * 1024**3,
+        dram_bandwidth=16.7 * GB,
+        flash_sequential_bandwidth=992e6,
+        flash_random=(
+            (7418, 146e6),
+            (10882, 209e6),
+            (17792, 299e6),
+            (31619, 353e6),
+            (59264, 527e6),
+            (114557, 846e6),
+            (225138, 992e6),
+        ),
+    ),
 }
 """Named profiles for `simulate` and `flashlm simulate --hardware`."""
 
 
 def get_preset(name: str) -> HardwareProfile:
-    """The preset called `name`; `ConfigError` naming the available ones otherwise."""
-    try:
+    """The preset called `name`, or the profile saved at `name` if it is a `.json` file (`save_profile`);
+    `ConfigError` naming the available presets otherwise."""
+    if name in PRESETS:
         return PRESETS[name]
-    except KeyError:
-        raise ConfigError(f"Unknown hardware preset {name!r}. Available: {', '.join(PRESETS)}.") from None
+    if name.endswith(".json"):
+        return load_profile(name)
+    raise ConfigError(
+        f"Unknown hardware preset {name!r}. Available: {', '.join(PRESETS)}, or a profile .json file."
+    )
+
+
+def save_profile(profile: HardwareProfile, path: str | os.PathLike[str]) -> Path:
+    """Write `profile` as JSON (bytes and bytes/s), readable by `load_profile` and `--hardware FILE`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(profile), indent=1) + "\n")
+    return path
+
+
+def load_profile(path: str | os.PathLike[str]) -> HardwareProfile:
+    """A profile written by `save_profile`; `ConfigError` if the file is missing or not a profile."""
+    try:
+        fields = json.loads(Path(path).read_text())
+        fields["flash_random"] = tuple(tuple(point) for point in fields["flash_random"])
+        return HardwareProfile(**fields)
+    except FileNotFoundError:
+        raise ConfigError(f"No hardware profile at {path}.") from None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"{path} is not a hardware profile written by save_profile ({exc!r}).") from exc
