@@ -21,6 +21,8 @@ from flashlm.sim import replay
 from flashlm.sim.cli import add_simulate_parser, cmd_simulate
 from flashlm.sim.hardware import GB, PRESETS, HardwareProfile, KiB, get_preset
 from flashlm.sim.plots import plot_memory_sweep, sweep_memory
+from flashlm.sim.reproductions import REPRODUCTIONS, TOLERANCE, opt_windowed
+from flashlm.sim.reproductions import markdown as reproductions_markdown
 from flashlm.sim.simulator import (
     MODEL_PRESETS,
     AnalyticDemand,
@@ -33,8 +35,6 @@ from flashlm.sim.simulator import (
 from flashlm.store.reader import DEFAULT_CHUNK_BYTES, DEFAULT_MERGE_GAP_BYTES, plan_reads, split_chunks
 from flashlm.trace import TraceRecorder
 
-TOLERANCE = 0.10
-
 A18 = PRESETS["a18"]
 M1_MAX = PRESETS["m1-max"]
 RTX = PRESETS["rtx4090-pc"]
@@ -42,102 +42,24 @@ PHI3_MEDIUM = MODEL_PRESETS["phi-3-medium"]
 OPT_6_7B = MODEL_PRESETS["opt-6.7b"]
 
 
-def close(value: float, published: float) -> bool:
-    return abs(value / published - 1) <= TOLERANCE
+# ---- published figures (DIP arXiv 2412.01380, LLM in a flash arXiv 2312.11514) ------------------
 
 
-def dip_dense_tok_s(model: ModelDims, *, dram_gb: float, flash_gb_s: float = 1.0) -> float:
-    """DIP's dense baseline: A18 (60 GB/s DRAM), no compute term (DIP §6: NPU time not simulated),
-    no KV cache (DIP gives no context length), LFU cache on what static allocation leaves."""
-    profile = A18.with_overrides(dram_bytes=dram_gb * GB, flash_bandwidth=flash_gb_s * GB)
-    return simulate(profile, Workload(model), policy="lfu", include_compute=False).tokens_per_s
+@pytest.mark.parametrize("case", REPRODUCTIONS, ids=lambda case: case.source)
+def test_simulator_reproduces_the_published_figure(case):
+    """Each case of `flashlm.sim.reproductions` (its source cited there) within 10%."""
+    assert abs(case.simulate() / case.published - 1) <= TOLERANCE
 
 
-# ---- DIP (arXiv 2412.01380): dense rows --------------------------------------------------------
+def test_windowed_reads_are_one_column_or_one_bundle():
+    """LLM in a flash Table 2 rows 4-5 read 8 KiB columns, then 16 KiB bundles (§3.2)."""
+    assert opt_windowed(bundled=False).chunk_bytes == 8 * KiB
+    assert opt_windowed(bundled=True).chunk_bytes == 16 * KiB
 
 
-def test_model_sizes_match_dip_table_2():
-    """DIP Table 2, "Model size": Phi3Med 7.4 GB, Llama8B 4.3 GB, Mistral7B 3.9 GB (GPTQ int4)."""
-    for name, published in (("phi-3-medium", 7.4), ("llama-3-8b", 4.3), ("mistral-7b", 3.9)):
-        assert close(MODEL_PRESETS[name].weight_bytes / GB, published), name
-
-
-def test_dip_table2_phi3_medium_dense_4gb():
-    """DIP Table 2, Dense row, Phi3Med (7.4 GB, 4.0 GB DRAM, 1 GB/s flash): 0.29 tok/s."""
-    assert close(dip_dense_tok_s(PHI3_MEDIUM, dram_gb=4.0), 0.29)
-
-
-def test_dip_table2_llama3_8b_dense():
-    """DIP Table 2, Dense row, Llama8B (4.3 GB, 2.5 GB DRAM, 1 GB/s flash): 0.57 tok/s."""
-    assert close(dip_dense_tok_s(MODEL_PRESETS["llama-3-8b"], dram_gb=2.5), 0.57)
-
-
-def test_dip_table2_mistral_7b_dense():
-    """DIP Table 2, Dense row, Mistral7B (3.9 GB, 2.0 GB DRAM, 1 GB/s flash): 0.54 tok/s."""
-    assert close(dip_dense_tok_s(MODEL_PRESETS["mistral-7b"], dram_gb=2.0), 0.54)
-
-
-def test_dip_table5_phi3_medium_dense_2gb():
-    """DIP Table 5 (appendix D), Dense row, 2 GB DRAM, 1 GB/s flash: 0.19 tok/s."""
-    assert close(dip_dense_tok_s(PHI3_MEDIUM, dram_gb=2.0), 0.19)
-
-
-def test_dip_table5_phi3_medium_dense_6gb():
-    """DIP Table 5 (appendix D), Dense row, 6 GB DRAM, 1 GB/s flash: 0.71 tok/s."""
-    assert close(dip_dense_tok_s(PHI3_MEDIUM, dram_gb=6.0), 0.71)
-
-
-def test_dip_table6_phi3_medium_dense_half_gb_s():
-    """DIP Table 6 (appendix D), Dense row, 0.5 GB/s flash, 4 GB DRAM: 0.15 tok/s."""
-    assert close(dip_dense_tok_s(PHI3_MEDIUM, dram_gb=4.0, flash_gb_s=0.5), 0.15)
-
-
-def test_dip_table6_phi3_medium_dense_2gb_s():
-    """DIP Table 6 (appendix D), Dense row, 2 GB/s flash, 4 GB DRAM: 0.59 tok/s."""
-    assert close(dip_dense_tok_s(PHI3_MEDIUM, dram_gb=4.0, flash_gb_s=2.0), 0.59)
-
-
-# ---- LLM in a flash (arXiv 2312.11514): Table 2, OPT-6.7B fp16 on M1 Max -----------------------
-
-
-def test_llm_in_a_flash_table2_naive():
-    """LLM in a flash Table 2, row 1 (naive: 13.4 GB from flash at 6.1 GB/s): 2196 ms I/O."""
-    result = simulate(M1_MAX, Workload(OPT_6_7B), policy="naive")
-    assert close(result.io_s * 1e3, 2196)
-    assert close(result.flash_bytes_per_token / GB, 13.4)
-
-
-def test_llm_in_a_flash_table2_hybrid():
-    """LLM in a flash Table 2, row 2 (hybrid: 6.7 GB DRAM, 6.7 GB from flash at 6.1 GB/s): 1090 ms."""
-    result = simulate(M1_MAX.with_overrides(dram_bytes=6.7 * GB), Workload(OPT_6_7B), policy="lfu")
-    assert close(result.io_s * 1e3, 1090)
-    assert close(result.flash_bytes_per_token / GB, 6.7)
-
-
-def _windowed_opt(bundled: bool):
-    """OPT-6.7B with predictor and windowing (k = 4), from LLM in a flash appendix C.1: predictors
-    are 1.25% of the model (13.4 GB), the window keeps 24% of the FFN resident and loads 2.4% of it
-    per token, DRAM holds 52.1% of the model. Predicted density "about 10%" (only the hit rate
-    depends on it). Table 2 lists 6.5 GB of DRAM for these rows, which cannot hold the 52.1%
-    appendix C itemizes; the appendix's itemized figure is used."""
-    demand = AnalyticDemand(density=0.10, bundled=bundled, load_fraction=0.024, window_fraction=0.24)
-    workload = Workload(OPT_6_7B, demand, extra_static_bytes=0.0125 * 13.4 * GB)
-    return simulate(M1_MAX.with_overrides(dram_bytes=0.521 * 13.4 * GB), workload, policy="window")
-
-
-def test_llm_in_a_flash_table2_predictor_windowing():
-    """LLM in a flash Table 2, row 4 (predictor + windowing: 0.2 GB at 1.25 GB/s, 8 KiB reads): 164 ms."""
-    result = _windowed_opt(bundled=False)
-    assert result.chunk_bytes == 8 * KiB
-    assert close(result.flash_bytes_per_token / GB, 0.2)
-    assert close(result.io_s * 1e3, 164)
-
-
-def test_llm_in_a_flash_table2_predictor_windowing_bundling():
-    """LLM in a flash Table 2, row 5 (+ bundling: 0.2 GB at 2.25 GB/s, 16 KiB reads): 87 ms."""
-    result = _windowed_opt(bundled=True)
-    assert result.chunk_bytes == 16 * KiB
-    assert close(result.io_s * 1e3, 87)
+def test_reproductions_table_lists_every_case():
+    table = reproductions_markdown()
+    assert all(case.source in table for case in REPRODUCTIONS)
 
 
 # ---- hardware profiles ------------------------------------------------------------------------
@@ -180,7 +102,7 @@ def test_unknown_preset_names_the_available_ones():
 
 
 def test_profile_round_trips_through_json(tmp_path):
-    """A saved profile (what benchmarks/reader_profile.py writes) loads back equal, also via --hardware FILE."""
+    """A saved profile (as benchmarks/reader_profile.py writes) loads back equal, also as --hardware FILE."""
     from flashlm.sim.hardware import load_profile, save_profile
 
     path = save_profile(PRESETS["rtx4090-pc"], tmp_path / "pc.json")
@@ -609,6 +531,15 @@ def test_cmd_simulate_sweeps_the_dram_tier_with_a_gpu(capsys):
 def test_cmd_simulate_unknown_model():
     with pytest.raises(ConfigError, match="neither a preset"):
         cmd_simulate(_parse(["--model", "gpt-5"]))
+    with pytest.raises(ConfigError, match="needs --model"):
+        cmd_simulate(_parse([]))
+
+
+def test_cmd_simulate_reproduce_prints_the_published_figures(capsys):
+    assert cmd_simulate(_parse(["--reproduce"])) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == len(REPRODUCTIONS) + 2
+    assert "| LLM in a flash Table 2, naive (OPT-6.7B from flash at 6.1 GB/s) | ms flash I/O | 2196 |" in out
 
 
 def test_memory_sweep_latency_falls_as_the_cache_grows(tmp_path):

@@ -43,8 +43,12 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
         help=f"hardware preset ({', '.join(PRESETS)}; default a18) or a profile .json (save_profile)",
     )
     parser.add_argument(
+        "--reproduce",
+        action="store_true",
+        help="print every published figure the simulator reproduces beside its simulated value",
+    )
+    parser.add_argument(
         "--model",
-        required=True,
         help=f"model: a preset ({', '.join(MODEL_PRESETS)}) or a Hugging Face config.json or its folder",
     )
     parser.add_argument(
@@ -121,7 +125,15 @@ def _model(spec: str, bits: float) -> ModelDims:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    """Run one simulation and print a table (or JSON with --json)."""
+    """Run one simulation and print a table (or JSON with --json); or, with --reproduce, the table of
+    published figures."""
+    if args.reproduce:
+        from .reproductions import markdown
+
+        print(markdown())
+        return 0
+    if args.model is None:
+        raise ConfigError("flashlm simulate needs --model (a preset or a config.json), or --reproduce.")
     profile = get_preset(args.hardware).with_overrides(
         dram_bytes=_size("--dram", args.dram),
         flash_bandwidth=_size("--flash-bandwidth", args.flash_bandwidth),

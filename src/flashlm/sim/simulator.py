@@ -44,7 +44,7 @@ One cost model for DIP's hardware simulator (appendix A) and LLM in a flash's (Â
   ATU needs a trace: its hits are the units consecutive tokens share.
 
 Published figures this model does not reproduce from the papers' stated inputs (not pinned, no
-constant tuned to force them; tests/test_simulator.py pins the ones it does):
+constant tuned to force them; `flashlm.sim.reproductions` holds the ones it does):
 * DIP Table 2, Phi3Mini dense (2.4 GB model, 1.5 GB DRAM: 1.15 tok/s). Phi-3-Mini's dimensions at
   the 4.25 bits per weight that give DIP's sizes for the other three models make 2.03 GB, not
   2.4 GB, hence 1.85 tok/s. With DIP's stated 2.4 GB the dense formula would give 1.09 tok/s.
