@@ -98,15 +98,9 @@ def operating_points(rows: list[dict], corpus: str) -> dict:
 
 
 def spec_for(method: str, density: float, store: str, **extra) -> dict:
-    from flashlm.eval.perplexity import parse_method_spec
+    from flashlm.eval.decode import flashlm_spec
 
-    options = parse_method_spec(method)
-    options.pop("sequential_prefill", None)  # decoding is token by token anyway
-    return {
-        "name": f"{method}@{density:g}",
-        "kind": "flashlm",
-        "options": {**options, "density": density, "memory_budget": BUDGET, "store": store, **extra},
-    }
+    return flashlm_spec(f"{method}@{density:g}", method, density, memory_budget=BUDGET, store=store, **extra)
 
 
 def stage_decode(args, model: Path) -> None:

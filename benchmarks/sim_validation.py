@@ -48,21 +48,14 @@ RECORDED = {"dense": 1.0, "dip": 0.8, "dip-ca": 0.85}
 
 def record(out: Path, results: Path, *, new_tokens: int) -> None:
     """Decode SmolLM2 at half the MLP bytes per `RECORDED`, saving each run's trace; write `results`."""
-    from flashlm.eval.decode import run_in_subprocess
-    from flashlm.eval.perplexity import parse_method_spec
+    from flashlm.eval.decode import flashlm_spec, run_in_subprocess
 
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for method, density in RECORDED.items():
-        options = {**parse_method_spec(method), "density": density}
-        options.pop("sequential_prefill", None)  # decoding is token by token anyway
         name = f"{method}@{density:g}+trace" if density < 1 else f"{method}+trace"
-        spec = {
-            "name": name,
-            "kind": "flashlm",
-            "options": {**options, "memory_budget": "50%", "record_trace": True},
-            "trace_path": str(out / f"{method}-trace.safetensors"),
-        }
+        spec = flashlm_spec(name, method, density, memory_budget="50%", record_trace=True)
+        spec["trace_path"] = str(out / f"{method}-trace.safetensors")
         print(f"recording {name}", flush=True)
         rows.append(run_in_subprocess(spec, default_model_path(), new_tokens=new_tokens, offload_dir=out))
     results.write_text(json.dumps(rows, indent=1))

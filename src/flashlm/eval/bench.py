@@ -38,8 +38,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .decode import run_in_subprocess
-from .perplexity import parse_method_spec
+from .decode import flashlm_spec, run_in_subprocess
 
 NAIVE = "accelerate-cold"
 THROUGHPUT_GRID = ((256 << 10, 4), (1 << 20, 4), (64 << 10, 8), (32 << 10, 4), (4 << 10, 4))
@@ -89,15 +88,10 @@ def configurations(
     specs.append({"name": "flashlm-dense", "kind": "flashlm", "options": {"memory_budget": memory_budget}})
     for method in methods:
         spec, _, density = method.partition("@")
-        options = {**parse_method_spec(spec), "density": float(density) if density else 1.0}
-        options.pop("sequential_prefill", None)  # decoding is token by token anyway
         specs.append(
-            {
-                "name": f"flashlm-{method}",
-                "kind": "flashlm",
-                "method_spec": spec,
-                "options": {**options, "memory_budget": memory_budget},
-            }
+            flashlm_spec(
+                f"flashlm-{method}", spec, float(density) if density else 1.0, memory_budget=memory_budget
+            )
         )
     if pruned is not None:
         specs.append(

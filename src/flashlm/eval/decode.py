@@ -48,6 +48,21 @@ REGIMES = {
 }
 
 
+def flashlm_spec(name: str, method_spec: str, density: float = 1.0, **options: Any) -> dict[str, Any]:
+    """A flashlm configuration decoding with method spec `method_spec` (`parse_method_spec`) at
+    `density`; `options` are further `FlashConfig` options (memory_budget, store, record_trace...)."""
+    from .perplexity import parse_method_spec
+
+    method = parse_method_spec(method_spec)
+    method.pop("sequential_prefill", None)  # decoding is token by token anyway
+    return {
+        "name": name,
+        "kind": "flashlm",
+        "method_spec": method_spec,
+        "options": {**method, "density": density, **options},
+    }
+
+
 def proc_read_bytes() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
