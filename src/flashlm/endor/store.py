@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from .. import __version__
 from ..arch import decoder_layers, layer_linears
 from ..errors import StoreCorruptError, StoreMismatchError, StoreNotFoundError
-from ..store.convert import fsync_dir, staged_directory
+from ..store.convert import fsync_dir, staged_directory, write_json_durably
 from ..store.format import dtype_from_name, dtype_name, update_content_hash, write_aligned_safetensors
 from ..store.reader import StoreReader
 from ..store.rowfile import ALIGNMENT, RowFile
@@ -329,10 +329,7 @@ def convert_endor(
                 "content_sha256": digest.hexdigest(),
             },
         }
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
+        write_json_durably(tmp / MANIFEST, manifest)
         fsync_dir(tmp / "layers")
         fsync_dir(tmp)
     return EndorStore.open(dest)

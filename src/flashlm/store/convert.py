@@ -192,10 +192,7 @@ def _add_kinds(store: Store, missing: tuple[str, ...], progress: bool) -> None:
         kinds = [kind for kind in KINDS if kind in store.kinds or kind in missing]
         manifest["kinds"] = {kind: store.manifest["kinds"].get(kind) or layouts[kind] for kind in kinds}
         manifest["files"] = _ordered_files(store.manifest["files"] | files, kinds, store.num_layers)
-        with open(manifest_tmp, "w") as f:
-            json.dump(manifest, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
+        write_json_durably(manifest_tmp, manifest)
         os.replace(manifest_tmp, path / MANIFEST)
         committed = True
         fsync_dir(path)
@@ -307,10 +304,7 @@ def _write_store(
         "files": files,
         "source": {"path": source.path, "fingerprint": fingerprint, "content_sha256": digest.hexdigest()},
     }
-    with open(tmp / MANIFEST, "w") as f:
-        json.dump(manifest, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
+    write_json_durably(tmp / MANIFEST, manifest)
     fsync_dir(tmp / "layers")
     fsync_dir(tmp)
 
@@ -444,6 +438,14 @@ def _move_into_place(tmp: Path, dest: Path) -> None:
     else:
         os.replace(tmp, dest)
     fsync_dir(dest.parent)
+
+
+def write_json_durably(path: Path, data: object) -> None:
+    """Write `data` as indented JSON to `path` and fsync it (a manifest must be on disk before its rename)."""
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def fsync_dir(path: Path) -> None:
