@@ -364,8 +364,9 @@ def build_caches(plan: BudgetPlan, widths, num_units, dtype, policy: str) -> lis
     policy=st.sampled_from(["lru", "lfu", "window"]),
     overhead=st.integers(0, 5000),
     extra=st.integers(0, 200_000),
+    costs=st.lists(st.sampled_from([1.0, 1.33, 3.6]), min_size=6, max_size=6),
 )
-def test_budget_is_never_exceeded(layers, dtype, policy: str, overhead: int, extra: int) -> None:
+def test_budget_is_never_exceeded(layers, dtype, policy: str, overhead: int, extra: int, costs) -> None:
     num_units = [n for n, _ in layers]
     widths = [w for _, w in layers]
     unit_bytes = [w * torch.empty((), dtype=dtype).element_size() for w in widths]
@@ -373,7 +374,12 @@ def test_budget_is_never_exceeded(layers, dtype, policy: str, overhead: int, ext
     budget = minimum + extra
 
     plan = split_budget(
-        budget, unit_bytes=unit_bytes, num_units=num_units, overhead_bytes=overhead, policy=policy
+        budget,
+        unit_bytes=unit_bytes,
+        num_units=num_units,
+        overhead_bytes=overhead,
+        policy=policy,
+        read_cost=costs[: len(layers)],
     )
     caches = build_caches(plan, widths, num_units, dtype, policy)
 
@@ -398,6 +404,28 @@ def test_budget_split_is_proportional_to_layer_size() -> None:
     assert small == large == 100  # each layer caches the same fraction of itself: 10%
     capped = split_budget(10**9, unit_bytes=[8, 8], num_units=[5, 7], overhead_bytes=100)
     assert capped.capacities == [5, 7]
+
+
+def test_budget_fills_the_costliest_misses_first() -> None:
+    """Caches whose misses cost the disk more per byte fill up before cheaper ones get a slot."""
+    num_units, unit_bytes = [100, 100, 50, 50], [64, 64, 1152, 1152]
+    fixed = sum(NeuronCache.fixed_bytes(n, "lfu") for n in num_units)
+    slots = [NeuronCache.slot_bytes(u) for u in unit_bytes]
+    # Room for both costly caches whole and a quarter of the cheap ones.
+    budget = fixed + 50 * slots[2] * 2 + 25 * slots[0] * 2
+    plan = split_budget(
+        budget,
+        unit_bytes=unit_bytes,
+        num_units=num_units,
+        overhead_bytes=0,
+        policy="lfu",
+        read_cost=[1.0, 1.0, 3.6, 3.6],
+    )
+    assert plan.capacities == [25, 25, 50, 50]
+    by_size = split_budget(budget, unit_bytes=unit_bytes, num_units=num_units, overhead_bytes=0, policy="lfu")
+    assert by_size.capacities[2] < 50 and by_size.capacities[0] > 25
+    with pytest.raises(ConfigError, match="read_cost"):
+        split_budget(budget, unit_bytes=unit_bytes, num_units=num_units, overhead_bytes=0, read_cost=[1.0])
 
 
 def test_too_small_budget_names_the_minimum() -> None:

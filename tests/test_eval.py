@@ -451,6 +451,19 @@ def test_layer_timer_times_every_decoder_layer_of_a_patched_model(tiny_model_dir
     assert all(end >= start for _, start, end in timer.last_step)
 
 
+def test_operating_points() -> None:
+    from flashlm.eval.bench import configurations as configurations_for_bench
+    from flashlm.eval.bench import operating_point
+
+    assert operating_point("up@0.85") == ("up", 0.85, {})
+    assert operating_point("dip-ca@0.8/0.7") == ("dip-ca", 0.8, {"input_density": 0.7})
+    assert operating_point("dense") == ("dense", 1.0, {})
+    with pytest.raises(ConfigError, match="SPEC@DENSITY/INPUT_DENSITY"):
+        operating_point("dip@0.8/x")
+    with pytest.raises(ConfigError, match="down density"):
+        configurations_for_bench(memory_budget=10**6, methods=["dip@0.5/0.9"], num_layers=2)
+
+
 def test_bench_smoke_on_a_tiny_model(tiny_path, tmp_path, capsys) -> None:
     """`flashlm bench` runs every configuration for one token and writes its report (warm regime: no root)."""
     import json
@@ -464,7 +477,7 @@ def test_bench_smoke_on_a_tiny_model(tiny_path, tmp_path, capsys) -> None:
     argv = ["bench", "--model", str(model), "--warm", "--no-disk", "--new-tokens", "1"]
     argv += [
         "--methods",
-        "dip@0.9",
+        "dip@0.9,dip@0.8/0.7",
         "--memory-budget",
         "1MB",
         "--out",
@@ -479,7 +492,14 @@ def test_bench_smoke_on_a_tiny_model(tiny_path, tmp_path, capsys) -> None:
     assert main(argv) == 0
     report = json.loads((tmp_path / "out" / "bench.json").read_text())
     names = [r["config"] for r in report["results"]]
-    assert names == ["ram", "accelerate-warm", "hybrid-warm", "flashlm-dense", "flashlm-dip@0.9"]
+    assert names == [
+        "ram",
+        "accelerate-warm",
+        "hybrid-warm",
+        "flashlm-dense",
+        "flashlm-dip@0.9",
+        "flashlm-dip@0.8/0.7",
+    ]
     naive = report["results"][1]
     assert naive["x_naive"] == 1.0
     assert all(r["decode_tok_s"] > 0 for r in report["results"])

@@ -75,6 +75,20 @@ def make_file(
     return RowFile(path, ALIGNMENT, rows, width, dtype), data
 
 
+@pytest.mark.parametrize(
+    ("width", "expected"),
+    [
+        (2048, 1.0),  # 4 KiB rows: one whole page each
+        (3072, 4 / 3),  # 6 KiB rows: every row spans two pages
+        (576, 40 * 4096 / (32 * 1152)),  # SmolLM2 down columns: 8 of every 32 straddle two pages
+    ],
+)
+def test_read_amplification_counts_whole_pages(width: int, expected: float) -> None:
+    rows = 64 if width != 576 else 32
+    f = RowFile(Path("unused"), ALIGNMENT, rows, width, torch.bfloat16)
+    assert f.read_amplification == pytest.approx(expected)
+
+
 def reference(f: RowFile, ids: torch.Tensor) -> np.ndarray:
     """The rows read with plain numpy, independently of the reader."""
     raw = np.fromfile(f.path, dtype=np.uint8, offset=f.data_offset, count=f.nbytes).reshape(

@@ -163,7 +163,7 @@ def tiny_llama(make_tiny_checkpoint, tmp_path):
 
 
 def load(path, store, cached: float = 0.5, **options) -> torch.nn.Module:
-    """The checkpoint patched with `options`, its caches holding about `cached` of every kind's units
+    """The checkpoint patched with `options`, its caches holding about `cached` of the units' bytes
     beyond the working memory (tiny models' working memory dwarfs their weights, so % budgets mislead)."""
     if not Path(store).exists():
         flashlm.convert(path, store, progress=False)
@@ -316,6 +316,30 @@ def test_policies_and_no_cache(tiny_llama) -> None:
             assert totals["hits"] == 0
         else:
             assert totals["hits"] > 0
+
+
+@pytest.mark.parametrize("split", ["read-cost", "size"])
+def test_cache_split_between_kinds(split, tiny_llama) -> None:
+    """read-cost fills the kind whose misses cost the disk most per byte (the tiny model's 256-byte down
+    columns: a 4 KiB page per miss) before the other gets a slot; size gives each the same fraction."""
+    path, _, store = tiny_llama
+    model = load(path, store, cached=0.4, method="dip", density=0.5, cache_split=split)
+    for module in streaming_mlps(model):
+        cost = {
+            kind: module.runtime.store.row_file(module.layer, kind).read_amplification
+            for kind in (module.INPUT_KIND, module.OUTPUT_KIND)
+        }
+        assert cost["dip_down"] > cost["dip_in"]
+        down, inputs = module.output_cache, module.input_cache
+        if split == "read-cost":
+            assert down.capacity == down.num_units and 0 < inputs.capacity < inputs.num_units
+        else:
+            assert down.capacity / down.num_units == pytest.approx(
+                inputs.capacity / inputs.num_units, abs=0.05
+            )
+    runtime = streaming_mlps(model)[0].runtime
+    assert runtime.plan.total_bytes <= runtime.budget_bytes
+    assert runtime.assembly == {}  # unit-order assembly only buys exactness at density 1.0
 
 
 # ---- bad configs ---------------------------------------------------------------------------------

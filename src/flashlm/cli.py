@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from ._utils import format_bytes
-from .config import POLICIES
+from .config import CACHE_SPLITS, POLICIES
 
 METHOD_HELP = (
     "what each MLP does, a method spec: dense (default), dip, dip-ca (DIP-CA, γ 0.2), dip-ca:GAMMA, "
@@ -51,6 +51,13 @@ def _add_runtime_options(parser: argparse.ArgumentParser, *, method: bool = True
     parser.add_argument("--store", default=None, help="store path (default: one in flashlm's cache)")
     parser.add_argument("--no-direct-io", action="store_true", help="read through the page cache")
     parser.add_argument("--io-threads", type=int, default=None, help="reader threads")
+    parser.add_argument(
+        "--cache-split",
+        default="read-cost",
+        choices=CACHE_SPLITS,
+        help="how the cache bytes are shared between unit kinds (default read-cost: the kinds whose "
+        "misses cost the disk most per byte first; size: in proportion to each kind's size)",
+    )
 
 
 def _method_options(args: argparse.Namespace) -> dict:
@@ -68,6 +75,7 @@ def _io_options(args: argparse.Namespace) -> dict:
         "policy": args.policy,
         "direct_io": False if args.no_direct_io else None,
         "io_threads": args.io_threads,
+        "cache_split": args.cache_split,
     }
 
 
@@ -556,7 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         type=_list,
         default=["dip@0.9", "dip-ca@0.85", "up@0.85"],
-        help="flashlm operating points, SPEC@DENSITY, comma-separated (default: dip@0.9,dip-ca@0.85,up@0.85)",
+        help="flashlm operating points, SPEC@DENSITY[/INPUT_DENSITY] (dip: the fraction of up/gate "
+        "input columns kept), comma-separated (default: dip@0.9,dip-ca@0.85,up@0.85)",
     )
     bench_parser.add_argument(
         "--pruned", default=None, help="a pruned checkpoint (flashlm prune) to add Endor"

@@ -25,6 +25,7 @@ GATED_METHODS = ("dip", "glu", "gate", "up", "cats")
 """Methods that prune a gated (SwiGLU) MLP's projections separately: they need a gated MLP."""
 THRESHOLDS = ("token", "layer", "global")
 POLICIES = ("lru", "lfu", "window", "none", "atu")
+CACHE_SPLITS = ("read-cost", "size")
 PERSISTED_OPTIONS = (
     "method",
     "density",
@@ -41,6 +42,7 @@ RUNTIME_OPTIONS = (
     "direct_io",
     "io_threads",
     "io_chunk_bytes",
+    "cache_split",
     "sequential_prefill",
     "record_trace",
 )
@@ -120,6 +122,10 @@ class FlashConfig(QuantizationConfigMixin):
             requires it; `False` never uses it.
         io_threads: reader threads. `None` takes the measured default.
         io_chunk_bytes: longest single read (a multiple of 4096). `None` takes the measured default.
+        cache_split: how the budget's cache bytes are shared between unit kinds: `"read-cost"`
+            (default) fills first the caches whose misses cost the disk most bytes per unit byte
+            (small units under-fill a 4 KiB page), `"size"` shares in proportion to each cache's
+            full size.
         sequential_prefill: compute a multi-token forward exactly as that many one-token decode
             steps would (cache-aware masks see the cache evolve token by token) instead of masking
             every token against the cache as it was when the forward began. Slower; the perplexity
@@ -142,6 +148,7 @@ class FlashConfig(QuantizationConfigMixin):
         direct_io: bool | None = None,
         io_threads: int | None = None,
         io_chunk_bytes: int | None = None,
+        cache_split: str = "read-cost",
         sequential_prefill: bool = False,
         record_trace: bool = False,
         **kwargs: Any,
@@ -171,6 +178,7 @@ class FlashConfig(QuantizationConfigMixin):
         self.direct_io = direct_io
         self.io_threads = io_threads
         self.io_chunk_bytes = io_chunk_bytes
+        self.cache_split = cache_split
         self.sequential_prefill = sequential_prefill
         self.record_trace = record_trace
         self.post_init()
@@ -206,6 +214,10 @@ class FlashConfig(QuantizationConfigMixin):
         ):
             raise ConfigError(
                 f"io_chunk_bytes must be a positive multiple of 4096 or None, got {self.io_chunk_bytes!r}."
+            )
+        if self.cache_split not in CACHE_SPLITS:
+            raise ConfigError(
+                f"Unknown cache_split {self.cache_split!r}. Available: {', '.join(CACHE_SPLITS)}."
             )
         if self.direct_io not in (None, True, False):
             raise ConfigError(f"direct_io must be True, False or None, got {self.direct_io!r}.")

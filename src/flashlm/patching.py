@@ -154,7 +154,10 @@ def replace_mlps(model: nn.Module, store: Store, config: FlashConfig) -> FlashRu
     store = add_kinds(store, cls.KINDS)
     calibration = Calibration.load(store.path, store.content_sha256) if sparse else None
     with torch.device("cpu"):
-        runtime = FlashRuntime(store, config, cls.KINDS, cls.ASSEMBLED_KINDS)
+        # Assembling in unit order buys bit-exactness with the dense model, which only density 1.0
+        # promises; below it the copy would cost time and the buffers cache bytes.
+        assembled = cls.ASSEMBLED_KINDS if config.density == 1 else ()
+        runtime = FlashRuntime(store, config, cls.KINDS, assembled)
         for layer, owner_name, owner in owners:
             act = getattr(owner, spec.act)
             dense_class = type(owner) if spec.owner else None

@@ -104,6 +104,11 @@ class FlashRuntime:
             overhead_bytes=staging_bytes + workspace_bytes + self.reader.buffer_bytes,
             policy=self._policy_name,
             cache_units=config.policy != "none",
+            read_cost=(
+                [row_files[key].read_amplification for key in self._cache_keys]
+                if config.cache_split == "read-cost"
+                else None
+            ),
         )
         self._workspaces: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         if prefetched:

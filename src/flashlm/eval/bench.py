@@ -11,7 +11,8 @@ Same prompt, same number of new tokens, same memory budget; each configuration i
 - `hybrid-cold`: Accelerate with the first half of the decoder layers in memory and the rest on disk
   (LLM in a flash's "hybrid" baseline), page cache dropped every step.
 - `flashlm-dense`: flashlm dense streaming within the budget (O_DIRECT reads).
-- each method operating point given as `SPEC@DENSITY` (`dip@0.9`, `dip-ca@0.85`, `up@0.85`), and
+- each method operating point given as `SPEC@DENSITY[/INPUT_DENSITY]` (`dip@0.9`, `up@0.85`,
+  `dip-ca@0.8/0.7`: DIP-CA keeping 70% of the up/gate input columns and every down column), and
   `endor` on a pruned checkpoint (`pruned=`), all within the same budget.
 
 The report gives decode tokens/s and its ratio to the naive baseline, prefill time, bytes read from
@@ -38,6 +39,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..config import FlashConfig
+from ..errors import ConfigError
 from .decode import flashlm_spec, run_in_subprocess
 
 NAIVE = "accelerate-cold"
@@ -69,7 +72,8 @@ def configurations(
     pruned: Path | None = None,
     cold: bool = True,
 ) -> list[dict[str, Any]]:
-    """The specs `flashlm.eval.decode` runs, in report order. `methods` are `SPEC@DENSITY` strings;
+    """The specs `flashlm.eval.decode` runs, in report order. `methods` are operating points
+    (`SPEC@DENSITY[/INPUT_DENSITY]`, `operating_point`);
     `memory_budget` is in bytes, the same for every flashlm configuration (Endor included)."""
     regime = "accelerate-cold" if cold else "accelerate-warm"
     specs: list[dict[str, Any]] = [
@@ -87,12 +91,9 @@ def configurations(
     )
     specs.append({"name": "flashlm-dense", "kind": "flashlm", "options": {"memory_budget": memory_budget}})
     for method in methods:
-        spec, _, density = method.partition("@")
-        specs.append(
-            flashlm_spec(
-                f"flashlm-{method}", spec, float(density) if density else 1.0, memory_budget=memory_budget
-            )
-        )
+        spec, density, options = operating_point(method)
+        specs.append(flashlm_spec(f"flashlm-{method}", spec, density, memory_budget=memory_budget, **options))
+        FlashConfig(**specs[-1]["options"])  # a bad operating point fails here, not after the baselines
     if pruned is not None:
         specs.append(
             {
@@ -103,6 +104,21 @@ def configurations(
             }
         )
     return specs
+
+
+def operating_point(text: str) -> tuple[str, float, dict[str, float]]:
+    """`"dip-ca@0.8/0.7"` -> `("dip-ca", 0.8, {"input_density": 0.7})`; `"up@0.85"` -> `("up", 0.85, {})`;
+    a bare spec runs at density 1.0. Raises `ConfigError` for numbers that do not parse."""
+    spec, _, numbers = text.partition("@")
+    density, _, input_density = numbers.partition("/")
+    try:
+        options = {"input_density": float(input_density)} if input_density else {}
+        return spec, float(density) if density else 1.0, options
+    except ValueError:
+        raise ConfigError(
+            f"Operating point {text!r}: expected SPEC@DENSITY or SPEC@DENSITY/INPUT_DENSITY, e.g. "
+            "'dip-ca@0.85' or 'dip-ca@0.8/0.7'."
+        ) from None
 
 
 def disk_throughput(directory: Path, *, seconds: float = 0.5, size: int = 256 << 20) -> list[dict[str, Any]]:
@@ -120,8 +136,11 @@ def disk_throughput(directory: Path, *, seconds: float = 0.5, size: int = 256 <<
         path.unlink(missing_ok=True)
 
 
-def perplexity_key(spec: dict[str, Any], model_path: Path) -> tuple[str, str | None, float, int | None]:
-    """What a configuration's perplexity depends on: (checkpoint, method spec, density, budget).
+def perplexity_key(
+    spec: dict[str, Any], model_path: Path
+) -> tuple[str, str | None, float, float | None, int | None]:
+    """What a configuration's perplexity depends on: (checkpoint, method spec, density, input
+    density, budget).
 
     Rows that compute the checkpoint exactly (everything but a sparse method) map to method None,
     the plain transformers model, so they share one measurement; a sparse method keeps its budget
@@ -130,9 +149,15 @@ def perplexity_key(spec: dict[str, Any], model_path: Path) -> tuple[str, str | N
     checkpoint = str(spec.get("model", model_path))
     method = spec.get("method_spec")
     if method is None:
-        return checkpoint, None, 1.0, None
+        return checkpoint, None, 1.0, None, None
     options = spec["options"]
-    return checkpoint, method, float(options["density"]), options.get("memory_budget")
+    return (
+        checkpoint,
+        method,
+        float(options["density"]),
+        options.get("input_density"),
+        options.get("memory_budget"),
+    )
 
 
 def perplexities(
@@ -154,19 +179,26 @@ def perplexities(
     from .perplexity import evaluate, perplexity
 
     keys = {spec["name"]: perplexity_key(spec, model_path) for spec in specs}
-    measured: dict[tuple[str, str | None, float, int | None], float] = {}
+    measured: dict[tuple[str, str | None, float, float | None, int | None], float] = {}
     for key in tqdm(
         list(dict.fromkeys(keys.values())), desc="perplexity", unit="config", disable=not progress
     ):
-        checkpoint, method, density, budget = key
+        checkpoint, method, density, input_density, budget = key
         window = {"context_length": context_length, "num_tokens": num_tokens, "progress": False}
         if method is None:
             ids = corpus_tokens(corpus, AutoTokenizer.from_pretrained(checkpoint), split="test")
             model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
             measured[key] = perplexity(model, ids, **window).perplexity
         else:
+            dip_options = {} if input_density is None else {"input_density": input_density}
             result = evaluate(
-                checkpoint, corpus, method_spec=method, density=density, memory_budget=budget, **window
+                checkpoint,
+                corpus,
+                method_spec=method,
+                density=density,
+                memory_budget=budget,
+                **dip_options,
+                **window,
             )
             measured[key] = result.perplexity
     return {
