@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 import flashlm
 from flashlm.calibration import Calibration
 from flashlm.errors import BudgetTooSmallError, ConfigError
-from flashlm.patches import CATSMLP, DIPMLP, SparseMLP, method_class
+from flashlm.patches import CATSMLP, DIPMLP, SparseMLP, StreamingMLP, method_class, reads_ahead
 from flashlm.patches.masking import (
     cache_aware_scores,
     threshold_for_density,
@@ -170,9 +170,14 @@ def load(path, store, cached: float = 0.5, **options) -> torch.nn.Module:
     cls = method_class(options.get("method", "dense"))
     kinds = cls.KINDS
     opened = add_kinds(flashlm.Store.open(store), kinds, progress=False)
-    policy = options.get("policy", "lfu")
+    probe = flashlm.FlashConfig(memory_budget=1, **options)
+    assembled = cls.ASSEMBLED_KINDS if probe.density == 1 else ()
+    read_ahead = cls.KINDS[0]
+    if cls is not StreamingMLP:
+        calibration = Calibration.load(opened.path, opened.content_sha256)
+        read_ahead = cls.INPUT_KIND if reads_ahead(probe, opened, calibration) else None
     with pytest.raises(BudgetTooSmallError) as info:
-        FlashRuntime(opened, flashlm.FlashConfig(memory_budget=1, policy=policy), kinds, cls.ASSEMBLED_KINDS)
+        FlashRuntime(opened, probe, kinds, assembled, read_ahead)
     units = sum(opened.row_file(0, k).rows * (opened.row_file(0, k).row_bytes + 8) for k in kinds)
     budget = info.value.minimum_bytes + int(cached * units * opened.num_layers)
     config = flashlm.FlashConfig(store=str(store), memory_budget=budget, **options)
@@ -340,6 +345,52 @@ def test_cache_split_between_kinds(split, tiny_llama) -> None:
     runtime = streaming_mlps(model)[0].runtime
     assert runtime.plan.total_bytes <= runtime.budget_bytes
     assert runtime.assembly == {}  # unit-order assembly only buys exactness at density 1.0
+
+
+@pytest.mark.parametrize("options", [{"cache_aware": 1.0}, {"cache_aware": 0.2}])
+def test_read_ahead_changes_nothing_but_the_reads(options, tiny_llama) -> None:
+    """Reading the next layer's uncached inputs ahead leaves the selection, the cache and the output
+    exactly as they are; only what was read (every uncached input, needed or not) grows. (`load`
+    sizes both budgets to the same cache bytes: reading ahead needs a second staging buffer.)"""
+    path, _, store = tiny_llama
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(12))
+    runs = {}
+    for read_ahead in (False, True):
+        model = load(path, store, method="dip", density=0.6, read_ahead=read_ahead, **options)
+        assert streaming_mlps(model)[0].runtime.read_ahead == ("dip_in" if read_ahead else None)
+        with torch.no_grad():
+            logits = model(ids).logits
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        runs[read_ahead] = (logits, tokens, flashlm.stats(model).totals(decode_only=True))
+    (logits, tokens, totals), (logits_ahead, tokens_ahead, totals_ahead) = runs[False], runs[True]
+    assert torch.equal(logits, logits_ahead) and torch.equal(tokens, tokens_ahead)
+    assert totals["misses"] > 0
+    assert (totals["hits"], totals["misses"]) == (totals_ahead["hits"], totals_ahead["misses"])
+    assert totals_ahead["bytes_read"] >= totals["bytes_read"] > 0
+
+
+def test_reads_ahead_where_the_reader_would_read_the_gaps_anyway() -> None:
+    from types import SimpleNamespace
+
+    from flashlm.patches import reads_ahead
+    from flashlm.store.reader import DEFAULT_MERGE_GAP_BYTES
+
+    def store(row_bytes: int):
+        return SimpleNamespace(
+            path="store", row_file=lambda layer, kind: SimpleNamespace(row_bytes=row_bytes)
+        )
+
+    def decide(row_bytes: int, **options) -> bool:
+        return reads_ahead(flashlm.FlashConfig(**options), store(row_bytes), None)
+
+    small = 6144  # SmolLM2's input columns: the merge gap spans several
+    large = 2 * DEFAULT_MERGE_GAP_BYTES  # a gap never spans one: each unneeded unit is skipped
+    assert decide(small, method="dip", density=0.8, input_density=0.7)
+    assert not decide(large, method="dip", density=0.8, input_density=0.7)
+    assert decide(large, method="dip", density=0.99, input_density=0.99)
+    assert decide(large, method="up", density=0.8)  # its first stage reads every unit
+    assert not decide(small, method="up", density=0.8, read_ahead=False)
+    assert decide(large, method="dip", density=0.5, input_density=0.5, read_ahead=True)
 
 
 # ---- bad configs ---------------------------------------------------------------------------------

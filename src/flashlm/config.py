@@ -43,6 +43,7 @@ RUNTIME_OPTIONS = (
     "io_threads",
     "io_chunk_bytes",
     "cache_split",
+    "read_ahead",
     "sequential_prefill",
     "record_trace",
 )
@@ -126,6 +127,11 @@ class FlashConfig(QuantizationConfigMixin):
             (default) fills first the caches whose misses cost the disk most bytes per unit byte
             (small units under-fill a 4 KiB page), `"size"` shares in proportion to each cache's
             full size.
+        read_ahead: sparse methods: read the next layer's uncached first-stage units (DIP: the up/gate
+            input columns) while this layer computes, needed or not, as dense streaming does. `None`
+            (default) decides per model: always for methods whose first stage reads every unit;
+            for DIP when the reader's merged reads would cover nearly all of them anyway (small
+            units, high input density). The selection is unchanged, so is the output.
         sequential_prefill: compute a multi-token forward exactly as that many one-token decode
             steps would (cache-aware masks see the cache evolve token by token) instead of masking
             every token against the cache as it was when the forward began. Slower; the perplexity
@@ -149,6 +155,7 @@ class FlashConfig(QuantizationConfigMixin):
         io_threads: int | None = None,
         io_chunk_bytes: int | None = None,
         cache_split: str = "read-cost",
+        read_ahead: bool | None = None,
         sequential_prefill: bool = False,
         record_trace: bool = False,
         **kwargs: Any,
@@ -179,6 +186,7 @@ class FlashConfig(QuantizationConfigMixin):
         self.io_threads = io_threads
         self.io_chunk_bytes = io_chunk_bytes
         self.cache_split = cache_split
+        self.read_ahead = read_ahead
         self.sequential_prefill = sequential_prefill
         self.record_trace = record_trace
         self.post_init()
@@ -219,6 +227,8 @@ class FlashConfig(QuantizationConfigMixin):
             raise ConfigError(
                 f"Unknown cache_split {self.cache_split!r}. Available: {', '.join(CACHE_SPLITS)}."
             )
+        if self.read_ahead not in (None, True, False):
+            raise ConfigError(f"read_ahead must be True, False or None, got {self.read_ahead!r}.")
         if self.direct_io not in (None, True, False):
             raise ConfigError(f"direct_io must be True, False or None, got {self.direct_io!r}.")
         for name in ("sequential_prefill", "record_trace"):

@@ -23,7 +23,7 @@ from .endor.codec import decompress
 from .endor.offload import EndorLinear, EndorStats, endor_linears, replace_linears
 from .endor.store import EndorStore, convert_endor, endor_layout
 from .errors import ConfigError, StoreMismatchError, UnsupportedArchitectureError
-from .patches import FlashMLP, StreamingMLP, build_sparse_mlp, method_class
+from .patches import FlashMLP, StreamingMLP, build_sparse_mlp, method_class, reads_ahead
 from .runtime import STREAMED_KIND, FlashRuntime
 from .stats import FlashStats
 from .store import ModuleSource, SafetensorsSource, Store, add_kinds, convert, mlp_content_sha256
@@ -157,7 +157,11 @@ def replace_mlps(model: nn.Module, store: Store, config: FlashConfig) -> FlashRu
         # Assembling in unit order buys bit-exactness with the dense model, which only density 1.0
         # promises; below it the copy would cost time and the buffers cache bytes.
         assembled = cls.ASSEMBLED_KINDS if config.density == 1 else ()
-        runtime = FlashRuntime(store, config, cls.KINDS, assembled)
+        if sparse:
+            read_ahead = cls.INPUT_KIND if reads_ahead(config, store, calibration) else None
+        else:
+            read_ahead = cls.KINDS[0]
+        runtime = FlashRuntime(store, config, cls.KINDS, assembled, read_ahead)
         for layer, owner_name, owner in owners:
             act = getattr(owner, spec.act)
             dense_class = type(owner) if spec.owner else None

@@ -26,6 +26,7 @@ class Fetch:
     """One layer's missed units, read into a staging buffer: rows[k] is unit ids[k]."""
 
     layer: int
+    kind: str
     ids: torch.Tensor
     rows: torch.Tensor
     buffer: int
@@ -40,15 +41,16 @@ class FlashRuntime:
     `kinds` are the unit kinds the model's method reads: `("bundle",)` for dense streaming, two
     kinds (one per stage) for the sparse methods. Each (layer, kind) gets a cache.
 
-    The budget covers everything flashlm allocates for streaming: the staging buffers (for dense
-    streaming two, one layer's missed units each, so the next layer's reads land while this layer
-    computes; one per kind otherwise), the down-projection workspace, the reader's I/O buffer, and
-    every cache's slots and indices.
+    The budget covers everything flashlm allocates for streaming: the staging buffers (one layer's
+    missed units each: two for the kind read a layer ahead, so the next layer's reads land while
+    this layer computes; one for any other kind), the down-projection workspace, the reader's I/O
+    buffer, and every cache's slots and indices.
 
-    Dense streaming's reads run on one background thread (which fans out over the reader's pool),
-    one at a time, so counters measured around a read belong to it alone. Once a layer has its rows, the read
-    of the next layer's misses starts (`prefetch`), overlapping this layer's compute and the next
-    layer's attention; it is valid because a layer's cache changes only in that layer's forward.
+    Reads run on one background thread (which fans out over the reader's pool), one at a time, so
+    counters measured around a read belong to it alone. For the `read_ahead` kind (dense
+    streaming's bundles; a sparse method's first stage), once a layer has its rows the read of the
+    next layer's uncached units starts, overlapping this layer's compute and the next layer's
+    attention; it is valid because a layer's cache changes only in that layer's forward.
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class FlashRuntime:
         config: FlashConfig,
         kinds: tuple[str, ...] = (STREAMED_KIND,),
         assembled_kinds: tuple[str, ...] = (),
+        read_ahead: str | None = STREAMED_KIND,
     ) -> None:
         self.store = store
         self.config = config
@@ -76,13 +79,13 @@ class FlashRuntime:
         self.d_model = store.d_model
         self.layer_mlp_bytes = (3 if store.gated else 2) * store.d_model * store.d_ff * store.dtype.itemsize
         """Bytes of one layer's dense MLP weights: what a token uses at density 1."""
-        # Dense streaming prefetches the next layer into the other of two staging buffers; the
-        # two-stage sparse methods read each stage's misses on demand, one buffer per kind.
         prefetched = kinds == (STREAMED_KIND,)
+        self.read_ahead = read_ahead
+        """The kind whose next layer is read while this layer computes, into the other of two buffers."""
         self.staging = {
             kind: [
                 torch.empty(store.row_file(0, kind).rows, store.row_file(0, kind).width, dtype=store.dtype)
-                for _ in range(2 if prefetched else 1)
+                for _ in range(2 if kind == read_ahead else 1)
             ]
             for kind in kinds
         }
@@ -118,6 +121,8 @@ class FlashRuntime:
         """0, 1, 2, ...: sliced for 'every unit of a layer' instead of allocating a range per step."""
         self._io = ThreadPoolExecutor(1, thread_name_prefix="flashlm-prefetch")
         self._pending: Future[Fetch] | None = None
+        self._pending_for: tuple[int, str, int] | None = None
+        """(layer, kind, buffer) of the read `_pending` is doing."""
         self.stats = StatsRecorder()
         self.trace = TraceRecorder() if config.record_trace else None
         self.clock = 0
@@ -173,6 +178,7 @@ class FlashRuntime:
             self.reader.read((layer, kind), ids, rows)
         return Fetch(
             layer,
+            kind,
             ids,
             rows,
             buffer,
@@ -181,25 +187,28 @@ class FlashRuntime:
             perf_counter() - started,
         )
 
-    def fetch(self, layer: int, miss_ids: torch.Tensor) -> Fetch:
-        """Dense streaming: the rows of `miss_ids` in `layer`, the prefetched read if it is that one,
-        else a read now."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            fetched = pending.result()
-            if fetched.layer == layer and torch.equal(fetched.ids, miss_ids):
-                return fetched
-            buffer = 1 - fetched.buffer
-        else:
-            buffer = 0
-        return self.submit(layer, STREAMED_KIND, miss_ids, buffer).result()
-
-    def prefetch(self, current: Fetch) -> None:
-        """Start reading the next layer's misses into the staging buffer `current` does not use."""
-        layer = (current.layer + 1) % self.num_layers
-        cache = self.caches[(layer, STREAMED_KIND)]
+    def uncached(self, layer: int, kind: str) -> torch.Tensor:
+        """Ids of `layer`'s `kind` units not in its cache, ascending."""
+        cache = self.caches[(layer, kind)]
         ids = self.unit_ids[: cache.num_units]
-        self._pending = self.submit(layer, STREAMED_KIND, ids[cache.slot_of[ids] < 0], 1 - current.buffer)
+        return ids[cache.slot_of[ids] < 0]
+
+    def read_uncached(self, layer: int, kind: str) -> Future[Fetch]:
+        """Every unit of `layer`'s `kind` not in its cache (the `read_ahead` kind): the read started a
+        layer ahead when there is one, else one started now. Then the next layer's read starts, in
+        the other staging buffer."""
+        pending, key, self._pending = self._pending, self._pending_for, None
+        if pending is not None and key[:2] == (layer, kind):
+            buffer = key[2]
+        else:
+            if pending is not None:
+                pending.result()
+            buffer = 0
+            pending = self.submit(layer, kind, self.uncached(layer, kind), buffer)
+        following = (layer + 1) % self.num_layers
+        self._pending = self.submit(following, kind, self.uncached(following, kind), 1 - buffer)
+        self._pending_for = (following, kind, 1 - buffer)
+        return pending
 
     def submit(self, layer: int, kind: str, ids: torch.Tensor, buffer: int = 0) -> Future[Fetch]:
         """`read` on the I/O thread, or, with nothing to read, a finished one without the thread hop."""
@@ -211,7 +220,7 @@ class FlashRuntime:
 
     def drain(self) -> None:
         """Wait for and drop an outstanding prefetch (before the caches change outside a forward)."""
-        pending, self._pending = self._pending, None
+        pending, self._pending, self._pending_for = self._pending, None, None
         if pending is not None:
             pending.result()
 

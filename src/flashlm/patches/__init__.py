@@ -1,7 +1,16 @@
 """The modules that replace a model's MLPs (one class per `FlashConfig.method`) and their selection."""
 
 from .base import FlashMLP, method_class, register_method
-from .sparse import CATSMLP, DIPMLP, GatePruningMLP, GLUPruningMLP, SparseMLP, UpPruningMLP, build_sparse_mlp
+from .sparse import (
+    CATSMLP,
+    DIPMLP,
+    GatePruningMLP,
+    GLUPruningMLP,
+    SparseMLP,
+    UpPruningMLP,
+    build_sparse_mlp,
+    reads_ahead,
+)
 from .streaming import StreamingMLP
 
 __all__ = [
@@ -15,5 +24,6 @@ __all__ = [
     "UpPruningMLP",
     "build_sparse_mlp",
     "method_class",
+    "reads_ahead",
     "register_method",
 ]

@@ -86,19 +86,18 @@ class StreamingMLP(FlashMLP):
         evictions_before = self.cache.evictions
 
         start = perf_counter()
-        _, _, miss_ids = self.cache.lookup(self.unit_ids)
+        self.cache.lookup(self.unit_ids)  # counts the hits and misses
         looked_up = perf_counter()
-        fetched = runtime.fetch(self.layer, miss_ids)
-        runtime.prefetch(fetched)
+        fetched = runtime.read_uncached(self.layer, self.KINDS[0]).result()
         read_done = perf_counter()
 
         groups = [
             (self.cache.rows[: self.cache.size], self.cache.slot_ids[: self.cache.size]),
-            (fetched.rows, miss_ids),
+            (fetched.rows, fetched.ids),
         ]
         out = self._mlp([(rows, ids) for rows, ids in groups if ids.numel()], x)
         computed = perf_counter()
-        self.cache.update(self.unit_ids, miss_ids, fetched.rows, runtime.step_start)
+        self.cache.update(self.unit_ids, fetched.ids, fetched.rows, runtime.step_start)
         if runtime.trace is not None:
             runtime.trace.record(runtime.step_start, self.layer, "bundle", self.unit_ids)
         updated = perf_counter()
