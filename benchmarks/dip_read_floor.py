@@ -102,9 +102,9 @@ def main() -> None:
         "MB and ms per token, summed over the layers."
     )
     print(
-        "| ρ_in | cached | needed uncached MB | read, store order MB (requests) | read, hottest-first MB "
-        "(requests) | read-ahead of all uncached, store order MB (requests) | modelled I/O ms: store order / hottest "
-        "first / read-ahead |"
+        "| ρ_in | cached | needed uncached MB | read, store order MB (requests) "
+        "| read, hottest-first MB (requests) | read-ahead of all uncached, store order MB (requests) "
+        "| modelled I/O ms: store order / hottest first / read-ahead |"
     )
     print("|---|---|---|---|---|---|---|")
     for cached_share in (float(c) for c in args.cached.split(",")):
@@ -128,7 +128,8 @@ def main() -> None:
             times = [seconds(per_token[i], per_token[i + 1]) * 1e3 for i in (1, 3, 5)]
             print(
                 f"| {rho:.1f} | {cached_share:.0%} | {per_token[0] / 1e6:.1f} | "
-                f"{per_token[1] / 1e6:.1f} ({per_token[2]:.0f}) | {per_token[3] / 1e6:.1f} ({per_token[4]:.0f}) | "
+                f"{per_token[1] / 1e6:.1f} ({per_token[2]:.0f}) | "
+                f"{per_token[3] / 1e6:.1f} ({per_token[4]:.0f}) | "
                 f"{per_token[5] / 1e6:.1f} ({per_token[6]:.0f}) | "
                 + " / ".join(f"{t:.0f}" for t in times)
                 + " |"
