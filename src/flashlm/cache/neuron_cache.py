@@ -129,18 +129,25 @@ class NeuronCache(nn.Module):
     # ---- changes ----------------------------------------------------------------------------
 
     def update(
-        self, used_ids: torch.Tensor, miss_ids: torch.Tensor, miss_rows: torch.Tensor, step: int
+        self,
+        used_ids: torch.Tensor,
+        miss_ids: torch.Tensor,
+        miss_rows: torch.Tensor,
+        step: int,
+        *,
+        row_ids: torch.Tensor | None = None,
     ) -> None:
         """End decode step `step`: record what it used, drop expired units, admit the misses it read.
 
         `used_ids` are all units the step needed (hits and misses); `miss_rows[i]` is the row of
-        `miss_ids[i]`. Which misses are kept, and whom they displace, follows the admission rule
-        in the module docstring.
+        `miss_ids[i]`, or, with `row_ids` (sorted, a superset of `miss_ids`: a read of more than the
+        misses), of `row_ids[i]`. Which misses are kept, and whom they displace, follows the
+        admission rule in the module docstring.
         """
         self.policy.record(used_ids, step)
         if self.size:
             self._delete(self.policy.expired(self.resident_ids, step))
-        self._admit(miss_ids, miss_rows)
+        self._admit(miss_ids, miss_rows, row_ids)
 
     def preload(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Warm the cache with units `ids` (rows `rows`) under the admission rule; no hit/miss counted.
@@ -167,12 +174,22 @@ class NeuronCache(nn.Module):
         by_priority = torch.argsort(self.policy.priority(ids[by_id]), descending=descending, stable=True)
         return by_id[by_priority]
 
-    def _admit(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Admit the non-resident units among `ids`: fill free slots, then displace weaker residents."""
+    def _admit(self, ids: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor | None = None) -> None:
+        """Admit the non-resident units among `ids`: fill free slots, then displace weaker residents.
+
+        `rows[i]` is the row of `ids[i]`, or of `row_ids[i]` when given (see `update`)."""
         if self.capacity == 0 or ids.numel() == 0:
             return
         ids = ids.to(self.slot_of.device)
-        rows = rows.to(device=self.rows.device, dtype=self.rows.dtype)
+
+        def rows_of(take: torch.Tensor) -> torch.Tensor:
+            """Rows of `ids[take]`; only the rows that enter are gathered, not every row read."""
+            if row_ids is None:
+                picked = rows[take.to(rows.device)]
+            else:
+                picked = rows[torch.searchsorted(row_ids, ids[take].to(row_ids.device)).to(rows.device)]
+            return picked.to(device=self.rows.device, dtype=self.rows.dtype)
+
         fresh = torch.nonzero(self.slot_of[ids] < 0).squeeze(1)
         if self.size == self.capacity and fresh.numel():
             # Full cache: nothing enters unless some candidate beats the weakest resident. Checking
@@ -186,7 +203,7 @@ class NeuronCache(nn.Module):
         if n_fill:
             take = order[:n_fill]
             slots = torch.arange(self.size, self.size + n_fill, device=self.slot_ids.device)
-            self._place(slots, ids[take], rows[take])
+            self._place(slots, ids[take], rows_of(take))
             self.size += n_fill
             self.admissions += n_fill
         rest = order[n_fill:]
@@ -202,7 +219,7 @@ class NeuronCache(nn.Module):
         if n_swap:
             slots, take = victims[:n_swap], rest[:n_swap]
             self.slot_of[self.slot_ids[slots]] = -1
-            self._place(slots, ids[take], rows[take])
+            self._place(slots, ids[take], rows_of(take))
             self.evictions += n_swap
             self.admissions += n_swap
 

@@ -26,7 +26,6 @@ then each stage reads its whole matrix once and replays the cache token by token
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
@@ -68,7 +67,8 @@ class _StageTimes:
 
 
 class _Parts:
-    """A stage's rows: the cached ones at once, then the misses once their read (in flight) lands.
+    """A stage's rows: the cached ones at once, then the misses once their read (in flight) lands
+    (for the kind read ahead: every uncached unit, a superset the coefficients mask).
 
     Computing over the cached rows first overlaps that work with the read.
     """
@@ -104,21 +104,7 @@ class _Parts:
         if self.cached[1].numel():
             yield self.cached
         if self.miss_ids.numel():
-            yield self.fetched.rows, self.miss_ids
-
-
-class _Subset:
-    """The rows of `miss_ids` out of a read of every uncached unit (`FlashRuntime.read_uncached`),
-    gathered once it lands: what a read of `miss_ids` alone would give, bytes and time included."""
-
-    def __init__(self, whole: Future[Fetch], miss_ids: torch.Tensor) -> None:
-        self.whole = whole
-        self.miss_ids = miss_ids
-
-    def result(self) -> Fetch:
-        whole = self.whole.result()
-        positions = torch.searchsorted(whole.ids, self.miss_ids)
-        return dataclasses.replace(whole, ids=self.miss_ids, rows=whole.rows[positions])
+            yield self.fetched.rows, self.fetched.ids  # the misses, or every uncached unit read ahead
 
 
 class _ResolvedParts(list):
@@ -274,7 +260,8 @@ class SparseMLP(FlashMLP):
         ids = runtime.unit_ids[: cache.num_units] if mask is None else union_ids(mask)
         _, _, miss_ids = cache.lookup(ids)
         if kind == runtime.read_ahead:
-            pending = _Subset(runtime.read_uncached(layer, kind), miss_ids)
+            # Every uncached unit, needed or not: the unneeded ones get zero coefficients.
+            pending = runtime.read_uncached(layer, kind)
         else:
             pending = runtime.submit(layer, kind, miss_ids)
         times.cache_s += perf_counter() - started
@@ -282,7 +269,8 @@ class SparseMLP(FlashMLP):
 
         def finish() -> None:
             updating = perf_counter()
-            cache.update(ids, miss_ids, parts.fetched.rows, runtime.step_start)
+            fetched = parts.fetched
+            cache.update(ids, miss_ids, fetched.rows, runtime.step_start, row_ids=fetched.ids)
             if runtime.trace is not None:
                 runtime.trace.record(runtime.step_start, layer, kind, ids)
             times.cache_s += perf_counter() - updating
