@@ -26,7 +26,6 @@ class Fetch:
     """One layer's missed units, read into a staging buffer: rows[k] is unit ids[k]."""
 
     layer: int
-    kind: str
     ids: torch.Tensor
     rows: torch.Tensor
     buffer: int
@@ -79,7 +78,7 @@ class FlashRuntime:
         self.d_model = store.d_model
         self.layer_mlp_bytes = (3 if store.gated else 2) * store.d_model * store.d_ff * store.dtype.itemsize
         """Bytes of one layer's dense MLP weights: what a token uses at density 1."""
-        prefetched = kinds == (STREAMED_KIND,)
+        dense = kinds == (STREAMED_KIND,)
         self.read_ahead = read_ahead
         """The kind whose next layer is read while this layer computes, into the other of two buffers."""
         self.staging = {
@@ -90,7 +89,7 @@ class FlashRuntime:
             for kind in kinds
         }
         staging_bytes = sum(b.numel() * b.element_size() for bufs in self.staging.values() for b in bufs)
-        workspace_bytes = store.d_ff * store.d_model * store.dtype.itemsize if prefetched else 0
+        workspace_bytes = store.d_ff * store.d_model * store.dtype.itemsize if dense else 0
         # Where a step that needs every unit of a kind assembles them in unit order (one matmul, one
         # rounding: what makes density 1.0 reproduce the dense model in bf16).
         self.assembly = {
@@ -114,7 +113,7 @@ class FlashRuntime:
             ),
         )
         self._workspaces: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-        if prefetched:
+        if dense:
             self.down_workspace(torch.device("cpu"), store.dtype)
         self.caches: dict[tuple[int, str], NeuronCache] = {}
         self.unit_ids = torch.arange(max(f.rows for f in row_files.values()))
@@ -178,7 +177,6 @@ class FlashRuntime:
             self.reader.read((layer, kind), ids, rows)
         return Fetch(
             layer,
-            kind,
             ids,
             rows,
             buffer,
