@@ -34,7 +34,13 @@ from .. import __version__
 from ..arch import decoder_layers, layer_linears
 from ..errors import StoreCorruptError, StoreMismatchError, StoreNotFoundError
 from ..store.convert import fsync_dir, staged_directory, write_json_durably
-from ..store.format import dtype_from_name, dtype_name, update_content_hash, write_aligned_safetensors
+from ..store.format import (
+    ConvertedFrom,
+    dtype_from_name,
+    dtype_name,
+    update_content_hash,
+    write_aligned_safetensors,
+)
 from ..store.reader import StoreReader
 from ..store.rowfile import ALIGNMENT, RowFile
 from ..store.sources import TensorSource, as_source, read_safetensors_header
@@ -105,7 +111,7 @@ class LayerEntry:
         return RowFile(self.path, self.data_offset, rows=1, width=self.data_bytes, dtype=torch.uint8)
 
 
-class EndorStore:
+class EndorStore(ConvertedFrom):
     """An opened, validated Endor store (use `EndorStore.open`)."""
 
     def __init__(self, path: Path, manifest: dict) -> None:
@@ -138,14 +144,6 @@ class EndorStore:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
-
-    @property
-    def content_sha256(self) -> str:
-        return self.manifest["source"]["content_sha256"]
-
-    @property
-    def fingerprint(self) -> str | None:
-        return self.manifest["source"].get("fingerprint")
 
     def nbytes(self) -> int:
         """Compressed bytes of every layer (what reading the whole model from the store moves)."""

@@ -156,7 +156,23 @@ def mlp_content_sha256(source: TensorSource, dtype: torch.dtype | None = None) -
     return digest.hexdigest()
 
 
-class Store:
+class ConvertedFrom:
+    """What every store's manifest says of the checkpoint it was converted from (`manifest["source"]`)."""
+
+    manifest: dict
+
+    @property
+    def content_sha256(self) -> str:
+        """sha256 of the weights the store holds (for the MLP store, `mlp_content_sha256`)."""
+        return self.manifest["source"]["content_sha256"]
+
+    @property
+    def fingerprint(self) -> str | None:
+        """The source checkpoint's fingerprint (`SafetensorsSource.fingerprint`), or None."""
+        return self.manifest["source"].get("fingerprint")
+
+
+class Store(ConvertedFrom):
     """An opened, validated store. Holds no open files: readers open `row_file(...)` paths themselves.
 
     Use `Store.open(path)`; it checks the manifest and every file's size and header, so a store
@@ -239,16 +255,6 @@ class Store:
                 )
         if RESIDENT in files:
             _read_header(self.path, RESIDENT)
-
-    @property
-    def content_sha256(self) -> str:
-        """sha256 of the MLP weights the store holds (see `mlp_content_sha256`)."""
-        return self.manifest["source"]["content_sha256"]
-
-    @property
-    def fingerprint(self) -> str | None:
-        """The source checkpoint's fingerprint (`SafetensorsSource.fingerprint`), or None."""
-        return self.manifest["source"].get("fingerprint")
 
     def row_file(self, layer: int, kind: str) -> RowFile:
         """Where layer `layer`'s matrix of `kind` lies on disk."""
