@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -148,6 +148,27 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# The development machine, measured: flash numbers from the comment at the top of
+# flashlm/store/reader.py (benchmarks/reader_throughput.py, O_DIRECT random reads over a 1 GB
+# file), the 4-thread column because StoreReader runs 4 threads (DEFAULT_THREADS); sequential
+# = the best cell, 1671 MB/s (512 KiB x 2 threads). DRAM: 23 GiB total per `free -g`; its
+# bandwidth, measured for this preset with numpy on a 256 MiB array (best of 5): a sum reads
+# 16.7 GB/s, a copy moves 24.2 GB/s (read + write); 16.7 GB/s, the read figure, bounds GEMVs.
+_THIS_MACHINE = HardwareProfile(
+    name="this machine (benchmarks/reader_throughput.py)",
+    dram_bytes=23 * 1024**3,
+    dram_bandwidth=16.7 * GB,
+    flash_sequential_bandwidth=1671e6,
+    flash_random=(
+        (4 * KiB, 136e6),
+        (32 * KiB, 602e6),
+        (64 * KiB, 1067e6),
+        (256 * KiB, 1526e6),
+        (1 * MiB, 1542e6),
+    ),
+)
+
+
 PRESETS: dict[str, HardwareProfile] = {
     # DIP (arXiv 2412.01380) appendix A: "Apple A18 with DRAM I/O speed of 60 GB/s, and Flash read
     # speed of 1 GB/s" (one flat speed, no chunk-size dependence). 4 GB of DRAM is DIP's setting for
@@ -186,25 +207,7 @@ PRESETS: dict[str, HardwareProfile] = {
         gpu_bandwidth=1008 * GB,
         pcie_bandwidth=31.5 * GB,
     ),
-    # The development machine, measured: flash numbers from the comment at the top of
-    # flashlm/store/reader.py (benchmarks/reader_throughput.py, O_DIRECT random reads over a 1 GB
-    # file), the 4-thread column because StoreReader runs 4 threads (DEFAULT_THREADS); sequential
-    # = the best cell, 1671 MB/s (512 KiB x 2 threads). DRAM: 23 GiB total per `free -g`; its
-    # bandwidth, measured for this preset with numpy on a 256 MiB array (best of 5): a sum reads
-    # 16.7 GB/s, a copy moves 24.2 GB/s (read + write); 16.7 GB/s, the read figure, bounds GEMVs.
-    "this-machine": HardwareProfile(
-        name="this machine (benchmarks/reader_throughput.py)",
-        dram_bytes=23 * 1024**3,
-        dram_bandwidth=16.7 * GB,
-        flash_sequential_bandwidth=1671e6,
-        flash_random=(
-            (4 * KiB, 136e6),
-            (32 * KiB, 602e6),
-            (64 * KiB, 1067e6),
-            (256 * KiB, 1526e6),
-            (1 * MiB, 1542e6),
-        ),
-    ),
+    "this-machine": _THIS_MACHINE,
     # The same machine as flashlm's reader delivers flash during a decode: StoreReader calls on the
     # SmolLM2 store (runs of 1..64 rows of 3456 bytes, and whole files), timed inside `read` as the
     # runtime's io_busy is, with an in-RAM decode of SmolLM2 running beside them:
@@ -212,10 +215,9 @@ PRESETS: dict[str, HardwareProfile] = {
     # Points are (mean request bytes, MB/s). Slower than the raw disk above: each call also plans,
     # waits on its 4 threads and gathers rows, and shares two cores with the model. Measured on
     # synthetic read patterns, not on the traces benchmarks/sim_validation.py replays.
-    "this-machine-decode": HardwareProfile(
+    "this-machine-decode": replace(
+        _THIS_MACHINE,  # DRAM as measured for this-machine; flash as the reader delivers it
         name="this machine, reader during decode (benchmarks/reader_profile.py)",
-        dram_bytes=23 * 1024**3,
-        dram_bandwidth=16.7 * GB,
         flash_sequential_bandwidth=992e6,
         flash_random=(
             (7418, 146e6),
