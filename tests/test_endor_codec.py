@@ -97,14 +97,20 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
+MATRICES = {
+    "seed": st.integers(0, 2**31 - 1),
+    "rows": st.integers(1, 40),
+    "cols": st.integers(1, 70),
+    "sparsity": st.floats(0.0, 1.0),
+}
+"""The random weight matrices the property tests draw (`make_weight`'s arguments)."""
+
+
 @needs_kernel
 @settings(max_examples=80, deadline=None)
 @given(
-    seed=st.integers(0, 2**31 - 1),
-    rows=st.integers(1, 40),
-    cols=st.integers(1, 70),
+    **MATRICES,
     dtype=st.sampled_from((*DTYPES, torch.float64)),
-    sparsity=st.floats(0.0, 1.0),
     empty_tail=st.integers(0, 3),
 )
 def test_c_kernel_and_torch_gather_agree(seed, rows, cols, dtype, sparsity, empty_tail) -> None:
@@ -134,11 +140,8 @@ def test_c_kernel_splits_large_matrices_over_threads() -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(
-    seed=st.integers(0, 2**31 - 1),
-    rows=st.integers(1, 40),
-    cols=st.integers(1, 70),
+    **MATRICES,
     dtype=st.sampled_from(DTYPES),
-    sparsity=st.floats(0.0, 1.0),
     raw=st.booleans(),
     zero_row=st.booleans(),
     full_row=st.booleans(),
@@ -250,11 +253,8 @@ def test_compression_ratio_formula() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    seed=st.integers(0, 2**31 - 1),
-    rows=st.integers(1, 40),
-    cols=st.integers(1, 70),
+    **MATRICES,
     dtype=st.sampled_from(DTYPES),
-    sparsity=st.floats(0.0, 1.0),
     picks=st.lists(st.integers(0, 10**6), max_size=50),
 )
 def test_select_rows_decompresses_to_the_dense_rows(seed, rows, cols, dtype, sparsity, picks) -> None:
