@@ -1,0 +1,127 @@
+"""What a read costs the CPU on this machine, and what it takes from a decode running beside it.
+
+Streaming decode overlaps each layer's reads with compute, which only helps if a read leaves the
+cores free. This script measures whether it does, with flashlm's reader at its defaults (O_DIRECT,
+the default threads and request size) reading whole layer files of the SmolLM2 store, as dense
+streaming does:
+
+1. the reader alone: its throughput, and the process CPU time (user + system, `getrusage`) per GB
+   read;
+2. plain transformers decoding SmolLM2 in RAM alone (`DecodeLoad`): tokens/s;
+3. both at once: the decode's tokens/s and the reader's throughput.
+
+If reads cost little CPU, (3) keeps the decode near (2) and the reader near (1). On a machine where
+they cost a core, the two share the cores instead, and a token's time is bounded by the sum of its
+read and compute CPU, not the larger of the two.
+
+    python benchmarks/read_cpu_cost.py [--seconds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import threading
+import time
+
+import torch
+from reader_profile import DecodeLoad  # the in-RAM decode load, from this folder
+
+from flashlm import FlashConfig
+from flashlm.models import default_model_path
+from flashlm.patching import open_store_for_checkpoint
+from flashlm.runtime import READER_BUFFER_CAP
+from flashlm.store.reader import StoreReader
+from flashlm.store.rowfile import ALIGNMENT
+
+KIND = "bundle"
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class ReadLoad:
+    """Whole layer files read back to back on a background thread, as dense streaming reads them."""
+
+    def __init__(self, reader: StoreReader, files: dict) -> None:
+        self.reader = reader
+        self.keys = list(files)
+        first = files[self.keys[0]]
+        self.out = torch.empty(first.rows, first.width, dtype=first.dtype)
+        self.ids = torch.arange(first.rows)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            for key in self.keys:
+                self.reader.read(key, self.ids, self.out)
+
+    def __enter__(self) -> ReadLoad:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=5.0, help="per measurement")
+    args = parser.parse_args()
+
+    model_path = default_model_path()
+    store = open_store_for_checkpoint(model_path, FlashConfig())
+    files = {(layer, KIND): store.row_file(layer, KIND) for layer in range(store.num_layers)}
+    largest = max(f.nbytes for f in files.values())
+    reader = StoreReader(files, direct_io=True, buffer_bytes=min(largest + 2 * ALIGNMENT, READER_BUFFER_CAP))
+    print(
+        f"store {store.path}; reader: {reader.mode}, {reader.threads} threads x "
+        f"{reader.chunk_bytes // 1024} KiB requests; torch threads: {torch.get_num_threads()}; "
+        f"{args.seconds} s per measurement"
+    )
+
+    def measure(read: bool, decode: DecodeLoad | None) -> tuple[float, float, float]:
+        """(read GB/s, process CPU s per GB read, decode tok/s) over `args.seconds`."""
+        bytes_before, cpu_before, steps_before = (
+            reader.bytes_read,
+            cpu_seconds(),
+            decode.steps if decode else 0,
+        )
+        started = time.perf_counter()
+        if read:
+            with ReadLoad(reader, files):
+                time.sleep(args.seconds)
+        else:
+            time.sleep(args.seconds)
+        elapsed = time.perf_counter() - started
+        gb = (reader.bytes_read - bytes_before) / 1e9
+        cpu = cpu_seconds() - cpu_before
+        steps = (decode.steps - steps_before) if decode else 0
+        return gb / elapsed, (cpu / gb if gb else float("nan")), steps / elapsed
+
+    with reader:
+        read_alone, cpu_per_gb, _ = measure(True, None)
+        print(f"reader alone:        {read_alone:.2f} GB/s, {cpu_per_gb:.2f} CPU s per GB read")
+        with DecodeLoad(model_path) as decode:
+            time.sleep(1.0)  # warm-up: the first forwards allocate
+            _, _, decode_alone = measure(False, decode)
+            print(f"in-RAM decode alone: {decode_alone:.1f} tok/s")
+            read_shared, _, decode_shared = measure(True, decode)
+        print(
+            f"both at once:        decode {decode_shared:.1f} tok/s "
+            f"({decode_shared / decode_alone:.2f}x alone), "
+            f"reader {read_shared:.2f} GB/s ({read_shared / read_alone:.2f}x alone)"
+        )
+        print(
+            f"so reading 100 MB costs about {100 * cpu_per_gb:.0f} ms of CPU time here "
+            f"(on {len(os.sched_getaffinity(0))} cores)"
+        )
+
+
+if __name__ == "__main__":
+    main()
