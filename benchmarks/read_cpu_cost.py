@@ -14,7 +14,7 @@ If reads cost little CPU, (3) keeps the decode near (2) and the reader near (1).
 they cost a core, the two share the cores instead, and a token's time is bounded by the sum of its
 read and compute CPU, not the larger of the two.
 
-    python benchmarks/read_cpu_cost.py [--seconds 5]
+    python benchmarks/read_cpu_cost.py [--seconds 5] [--threads N] [--chunk-kib K]
 """
 
 from __future__ import annotations
@@ -72,13 +72,21 @@ class ReadLoad:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="per measurement")
+    parser.add_argument("--threads", type=int, default=None, help="reader threads (default: flashlm's)")
+    parser.add_argument("--chunk-kib", type=int, default=None, help="largest request (default: flashlm's)")
     args = parser.parse_args()
 
     model_path = default_model_path()
     store = open_store_for_checkpoint(model_path, FlashConfig())
     files = {(layer, KIND): store.row_file(layer, KIND) for layer in range(store.num_layers)}
     largest = max(f.nbytes for f in files.values())
-    reader = StoreReader(files, direct_io=True, buffer_bytes=min(largest + 2 * ALIGNMENT, READER_BUFFER_CAP))
+    reader = StoreReader(
+        files,
+        direct_io=True,
+        threads=args.threads,
+        chunk_bytes=None if args.chunk_kib is None else args.chunk_kib * 1024,
+        buffer_bytes=min(largest + 2 * ALIGNMENT, READER_BUFFER_CAP),
+    )
     print(
         f"store {store.path}; reader: {reader.mode}, {reader.threads} threads x "
         f"{reader.chunk_bytes // 1024} KiB requests; torch threads: {torch.get_num_threads()}; "
