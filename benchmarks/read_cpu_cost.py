@@ -22,11 +22,10 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import threading
 import time
 
 import torch
-from reader_profile import DecodeLoad  # the in-RAM decode load, from this folder
+from reader_profile import BackgroundLoop, DecodeLoad  # from this folder
 
 from flashlm import FlashConfig
 from flashlm.models import default_model_path
@@ -43,30 +42,21 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-class ReadLoad:
+class ReadLoad(BackgroundLoop):
     """Whole layer files read back to back on a background thread, as dense streaming reads them."""
 
     def __init__(self, reader: StoreReader, files: dict) -> None:
+        super().__init__()
         self.reader = reader
         self.keys = list(files)
         first = files[self.keys[0]]
         self.out = torch.empty(first.rows, first.width, dtype=first.dtype)
         self.ids = torch.arange(first.rows)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self.stop.is_set():
             for key in self.keys:
                 self.reader.read(key, self.ids, self.out)
-
-    def __enter__(self) -> ReadLoad:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 def main() -> None:

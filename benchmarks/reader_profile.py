@@ -28,6 +28,7 @@ import dataclasses
 import threading
 import time
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 import torch
@@ -47,16 +48,35 @@ RUN_ROWS = (1, 2, 4, 8, 16, 32, 64, None)
 into the same 256 KiB requests as 64 rows (221 KiB)."""
 
 
-class DecodeLoad:
+class BackgroundLoop:
+    """`_run` on a daemon thread from entering the `with` block to leaving it; `_run` loops until
+    `stop` is set."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+class DecodeLoad(BackgroundLoop):
     """Plain transformers decoding SmolLM2 in RAM on a background thread, token after token."""
 
     def __init__(self, model_path: Path) -> None:
         from transformers import AutoModelForCausalLM
 
+        super().__init__()
         self.model = AutoModelForCausalLM.from_pretrained(model_path).eval()
-        self.stop = threading.Event()
         self.steps = 0
-        self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         ids = torch.tensor([[1, 2, 3, 4]])
@@ -69,14 +89,6 @@ class DecodeLoad:
                     token = out.logits[:, -1].argmax(-1, keepdim=True)
                     out = self.model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
                     self.steps += 1
-
-    def __enter__(self) -> DecodeLoad:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 def ids_for(run_rows: int | None, rows: int, row_bytes: int, rng: np.random.Generator) -> torch.Tensor:
