@@ -48,6 +48,18 @@ def test_fit_split_recovers_a_logit_linear_front() -> None:
     assert fit["slope"] == pytest.approx(slope, abs=1e-6)
 
 
+def test_fit_split_ignores_front_points_at_full_input_density() -> None:
+    # SmolLM2's front ends in ρ_in = 1 points; clamping their infinite logit tilted the line until
+    # it asked for ρ_in 0.97 where the front has 0.85.
+    front = [(0.5, 0.55), (0.6, 0.7), (0.7, 0.7), (0.8, 0.85), (0.9, 1.0), (0.95, 1.0)]
+    points = [{"density": density, "rho_in": rho_in, "perplexity": 10 / density} for density, rho_in in front]
+    fit = fit_split(points)
+    interior = fit_split(points[:4])
+    assert fit == interior
+    rho_in, _ = split_from_fit(fit, 0.7)
+    assert 0.65 < rho_in < 0.8
+
+
 @pytest.mark.parametrize("density", [0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0])
 def test_split_is_feasible_and_spends_the_target(density) -> None:
     for fit in (

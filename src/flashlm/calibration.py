@@ -103,6 +103,10 @@ class Calibration:
         if calibration.content_sha256 != content_sha256:
             logger.warning("flashlm: %s was calibrated for other weights; ignoring it.", path)
             return None
+        if calibration.split_points:
+            # The measured points are the calibration; the line is refitted so that a file written
+            # by an older fit gets today's.
+            calibration.split_fit = fit_split(calibration.split_points)
         return calibration
 
     def save(self, store_path: str | os.PathLike) -> Path:
@@ -144,17 +148,27 @@ def pareto_front(points: Iterable[dict[str, float]]) -> list[dict[str, float]]:
 
 
 def fit_split(points: list[dict[str, float]]) -> dict[str, float]:
-    """Least-squares `logit(ρ_in) = intercept + slope logit(D)` over the Pareto front of `points`."""
-    front = [p for p in pareto_front(points) if p["density"] < 1]
+    """Least-squares `logit(ρ_in) = intercept + slope logit(D)` over the Pareto front of `points`.
+
+    Front points with ρ_in = 1 are left out: their logit is infinite, and any finite stand-in for
+    it (a clamp) outweighs the rest of the front and tilts the line. `split_from_fit` reaches
+    ρ_in = 1 anyway where the line, moved into the feasible region, runs into it.
+    """
+    front = [p for p in pareto_front(points) if p["density"] < 1 and p["rho_in"] < 1]
     if len(front) < 2:
         raise ValueError(
-            "Fitting the density split needs at least two Pareto-optimal points below density 1."
+            "Fitting the density split needs at least two Pareto-optimal points with density and "
+            "ρ_in below 1."
         )
-    xs = torch.tensor([_logit(p["density"]) for p in front], dtype=torch.float64)
-    ys = torch.tensor([_logit(p["rho_in"]) for p in front], dtype=torch.float64)
-    design = torch.stack([torch.ones_like(xs), xs], dim=1)
-    solution = torch.linalg.lstsq(design, ys.unsqueeze(1)).solution.squeeze(1)
-    return {"intercept": float(solution[0]), "slope": float(solution[1])}
+    # Plain floats, not torch: `load` runs this while transformers builds the model on the meta device.
+    xs = [_logit(p["density"]) for p in front]
+    ys = [_logit(p["rho_in"]) for p in front]
+    x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - x_mean) ** 2 for x in xs)
+    if spread == 0:
+        raise ValueError("Fitting the density split needs Pareto-optimal points at two densities or more.")
+    slope = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys, strict=True)) / spread
+    return {"intercept": y_mean - slope * x_mean, "slope": slope}
 
 
 # ---- measuring ----------------------------------------------------------------------------------
