@@ -60,6 +60,26 @@ def test_fit_split_ignores_front_points_at_full_input_density() -> None:
     assert 0.65 < rho_in < 0.8
 
 
+def test_load_refits_the_split_from_the_saved_points(tmp_path) -> None:
+    points = [
+        {"rho_in": rho, "rho_down": rho, "density": rho, "perplexity": 10 / rho} for rho in (0.4, 0.55, 0.7)
+    ]
+    stale = Calibration(
+        content_sha256="abc",
+        corpus="text",
+        tokens=1,
+        input_quantiles=[],
+        global_input_quantiles=[],
+        gate_quantiles=[],
+        split_fit={"intercept": 0.25, "slope": 2.4},  # what an older fit wrote
+        split_points=points,
+    )
+    stale.save(tmp_path)
+    loaded = Calibration.load(tmp_path, "abc")
+    assert loaded.split_fit == fit_split(points)
+    assert loaded.split(0.55)[0] == pytest.approx(0.55)
+
+
 @pytest.mark.parametrize("density", [0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0])
 def test_split_is_feasible_and_spends_the_target(density) -> None:
     for fit in (
