@@ -110,7 +110,6 @@ def stage_decode(args, model: Path) -> None:
     store = str(open_store_for_checkpoint(model, FlashConfig()).path)
     rows = read_csv(args.out / "table1" / "sweep.csv") + read_csv(args.out / "table2-sweep" / "sweep.csv")
     ops = operating_points(rows, args.corpora[0])
-    work = Path(tempfile.mkdtemp(prefix="decode-", dir=args.out))
     specs = [
         {"name": "ram", "kind": "ram"},
         {"name": "accelerate-cold", "kind": "accelerate-cold"},
@@ -134,11 +133,14 @@ def stage_decode(args, model: Path) -> None:
                 }
             )
     results = []
-    for spec in specs:
-        print(f"== decode {spec['name']}", file=sys.stderr, flush=True)
-        results.append(
-            run_in_subprocess(spec, model, new_tokens=args.new_tokens, offload_dir=work / spec["name"])
-        )
+    with tempfile.TemporaryDirectory(prefix="decode-", dir=args.out) as work:
+        for spec in specs:
+            print(f"== decode {spec['name']}", file=sys.stderr, flush=True)
+            results.append(
+                run_in_subprocess(
+                    spec, model, new_tokens=args.new_tokens, offload_dir=Path(work) / spec["name"]
+                )
+            )
     (args.out / "decode.json").write_text(json.dumps(results, indent=2))
 
 
