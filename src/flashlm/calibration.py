@@ -17,6 +17,7 @@ any model loaded on that store reuses it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -105,8 +106,9 @@ class Calibration:
             return None
         if calibration.split_points:
             # The measured points are the calibration; the line is refitted so that a file written
-            # by an older fit gets today's.
-            calibration.split_fit = fit_split(calibration.split_points)
+            # by an older fit gets today's (or keeps its own if too few points can be fitted).
+            with contextlib.suppress(ValueError):
+                calibration.split_fit = fit_split(calibration.split_points)
         return calibration
 
     def save(self, store_path: str | os.PathLike) -> Path:

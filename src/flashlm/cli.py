@@ -563,7 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument(
         "--methods",
         type=_list,
-        # SmolLM2's operating points within +10% of dense perplexity (bench-results/dip, Table 2).
+        # SmolLM2's operating points within +10% of dense perplexity (benchmarks/dip_results.py, Table 2).
         default=["dip@0.65", "dip-ca@0.7", "up@0.8"],
         help="flashlm operating points, SPEC@DENSITY[/INPUT_DENSITY] (dip: the fraction of up/gate "
         "input columns kept), comma-separated (default: dip@0.65,dip-ca@0.7,up@0.8)",
