@@ -141,6 +141,19 @@ def test_invalid_arguments_raise(tiny_model, kwargs, match):
         perplexity(tiny_model, random_ids(150), **{"context_length": 64, "progress": False, **kwargs})
 
 
+def test_not_enough_tokens_says_what_was_asked_and_what_is_needed():
+    """Too few tokens asked is reported as such, not as the corpus's size being too small."""
+    with pytest.raises(
+        ConfigError, match=r"num_tokens=256 asked.*context_length=512 needs 512 tokens"
+    ) as info:
+        num_windows(1_246_508, 512, 256)
+    assert "1246508" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"stream holds 100 tokens.*context_length=512 needs 512"):
+        num_windows(100, 512, 1024)
+    with pytest.raises(ConfigError, match=r"stream holds 100 tokens"):
+        num_windows(100, 512)
+
+
 def test_invalid_inputs_raise(tiny_model):
     with pytest.raises(ValueError, match="1-D"):
         perplexity(tiny_model, random_ids(256).reshape(2, 128), context_length=64, progress=False)

@@ -102,25 +102,34 @@ class PerplexityResult:
 def num_windows(available: int, context_length: int, num_tokens: int | None = None) -> int:
     """How many whole windows of `context_length` fit in `min(num_tokens, available)` tokens.
 
-    Raises `ValueError` for invalid arguments or when not even one window fits.
+    The one rule every caller checks (the harness, `evaluate` and `sweep` before loading, `flashlm
+    bench` before its first run): one window needs `context_length` tokens, both asked for and
+    present. Raises `ConfigError` (a `ValueError`) for invalid arguments or when not even one window
+    fits, saying which of the two is short.
     """
     if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 2:
-        raise ValueError(
+        raise ConfigError(
             f"context_length must be an int >= 2 (one token predicts the next), got {context_length!r}."
         )
     if num_tokens is not None and (
         isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1
     ):
-        raise ValueError(f"num_tokens must be a positive int or None, got {num_tokens!r}.")
+        raise ConfigError(f"num_tokens must be a positive int or None, got {num_tokens!r}.")
     usable = available if num_tokens is None else min(num_tokens, available)
     windows = usable // context_length
-    if windows < 1:
-        limit = "" if num_tokens is None else f" and num_tokens={num_tokens}"
-        raise ValueError(
-            f"Not enough tokens for one window: {available} available{limit}, "
-            f"context_length={context_length}. Give more tokens or a shorter context_length."
+    if windows >= 1:
+        return windows
+    if num_tokens is not None and num_tokens < context_length:
+        raise ConfigError(
+            f"Not enough tokens for one window: num_tokens={num_tokens} asked, but one window of "
+            f"context_length={context_length} needs {context_length} tokens. Ask for at least "
+            f"{context_length} tokens, or use a shorter context_length."
         )
-    return windows
+    raise ConfigError(
+        f"Not enough tokens for one window: the token stream holds {available} tokens, but one window "
+        f"of context_length={context_length} needs {context_length}. Use a longer token stream, or a "
+        "shorter context_length."
+    )
 
 
 def _stream(input_ids: torch.Tensor) -> torch.Tensor:
