@@ -333,3 +333,12 @@ def test_model_path_passes_directories_through_and_names_the_known_models(tmp_pa
     assert models.model_path("qwen2.5-1.5b") == tmp_path
     assert calls == ["smollm2-135m", "smollm2-135m", "qwen2.5-1.5b"]
 
+
+def test_cli_resolves_model_names(monkeypatch, tmp_path):
+    from flashlm import cli
+
+    monkeypatch.setattr(models, "_converted", lambda model, **kwargs: tmp_path / model.name)
+    assert cli._model_dir("qwen2.5-1.5b") == tmp_path / "qwen2.5-1.5b"
+    assert cli._model_dir(None) == tmp_path / "smollm2-135m"
+    assert cli._model_dir(str(tmp_path)) == tmp_path
+    assert cli.main(["generate", "--model", str(tmp_path / "missing")]) == 2

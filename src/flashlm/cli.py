@@ -93,6 +93,14 @@ def _config(args: argparse.Namespace):
     )
 
 
+def _model_dir(model: str | None) -> Path:
+    """The checkpoint directory `--model` names: a bundled model's name (`flashlm.models.BUNDLED_MODELS`,
+    converted on first use), a directory, or, when absent, the default model."""
+    from .models import model_path
+
+    return model_path(model)
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     if args.format == "endor":
         from .endor.store import convert_endor, meta_model_layout
@@ -120,7 +128,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from .calibration import CALIBRATION_FILE, calibrate, split_from_fit
 
     result = calibrate(
-        args.model,
+        _model_dir(args.model),
         corpus=args.corpus,
         store=args.store,
         num_tokens=args.tokens,
@@ -172,9 +180,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .config import Budget
     from .eval import bench
     from .eval.corpora import require
-    from .models import default_model_path
 
-    model_path = Path(args.model) if args.model else default_model_path()
+    model_path = _model_dir(args.model)
     cold = not args.warm
     if cold and os.geteuid() != 0:
         raise SystemExit(
@@ -219,10 +226,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
     from .endor.offload import EndorStats
-    from .models import default_model_path
     from .patching import stats
 
-    model_path = Path(args.model) if args.model else default_model_path()
+    model_path = _model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=_config(args))
@@ -316,11 +322,10 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     import torch
 
     from .eval.perplexity import evaluate, parse_method_spec
-    from .models import default_model_path
 
     parse_method_spec(args.method)
     _check_windows(args)
-    model_path = Path(args.model) if args.model else default_model_path()
+    model_path = _model_dir(args.model)
     result = evaluate(
         model_path,
         args.corpus,
@@ -364,12 +369,11 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
 
     from .eval.perplexity import parse_method_spec
     from .eval.sweep import CSV_NAME, PLOT_NAME, sweep
-    from .models import default_model_path
 
     for spec in args.methods:
         parse_method_spec(spec)
     _check_windows(args)
-    model_path = Path(args.model) if args.model else default_model_path()
+    model_path = _model_dir(args.model)
     rows = sweep(
         model_path,
         methods=args.methods,
@@ -429,9 +433,8 @@ def _n_m(text: str) -> tuple[int, int]:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     from .endor.prune import prune_checkpoint
-    from .models import default_model_path
 
-    model_path = Path(args.model) if args.model else default_model_path()
+    model_path = _model_dir(args.model)
     report = prune_checkpoint(
         model_path,
         args.out,
