@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 import time
 
 import pytest
@@ -527,3 +528,103 @@ def test_bench_smoke_on_a_tiny_model(tiny_path, tmp_path, capsys) -> None:
     assert all(math.isfinite(value) and value > 1 for value in ppl.values())
     assert report["perplexity"] == {"corpus": "shakespeare", "tokens": 64, "context_length": 32}
     assert (tmp_path / "out" / "bench.png").stat().st_size > 0
+
+
+# ---- flashlm bench: arguments checked up front, results written as they come -----------------
+
+
+@pytest.fixture(scope="module")
+def bench_model(tiny_path, tmp_path_factory):
+    """The tiny llama checkpoint with a tokenizer, as `flashlm bench` needs (read-only)."""
+    import shutil
+
+    model = tmp_path_factory.mktemp("bench") / "model"
+    shutil.copytree(tiny_path, model)
+    tiny_tokenizer().save_pretrained(model)
+    return model
+
+
+def _fake_result(spec: dict, index: int) -> dict:
+    """What `run_in_subprocess` returns for a configuration, with a decode speed of its own."""
+    return {
+        "config": spec["name"],
+        "kind": spec["kind"],
+        "regime": "fake",
+        "decode_tok_s": 10.0 * (index + 1),
+        "prefill_s": 0.1,
+        "proc_read_bytes_per_token": 0,
+        "peak_rss": 10**8,
+        "tokens": [1, 2],
+    }
+
+
+def _bench_argv(model, tmp_path, *extra: str, warm: bool = True) -> list[str]:
+    argv = ["bench", "--model", str(model), "--no-disk", "--new-tokens", "1", "--methods", "dip@0.9"]
+    argv += ["--memory-budget", "1MB", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]
+    argv += ["--ppl-tokens", "64", "--ppl-context", "32", *(["--warm"] if warm else []), *extra]
+    return argv
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (lambda d, m: ["--model", str(d)], r"is not a checkpoint \(no config.json\)"),
+        (lambda d, m: ["--pruned", str(d / "missing")], r"--pruned .*missing: no such directory"),
+        (lambda d, m: ["--memory-budget", "lots"], "Cannot read 'lots' as a byte size"),
+        (lambda d, m: ["--methods", "dip@0.9,nope@0.5"], "Unknown method spec 'nope'"),
+        (lambda d, m: ["--methods", "dip@0.5/0.9"], "down density"),
+        (
+            lambda d, m: ["--ppl-tokens", "256", "--ppl-context", "512"],
+            r"--ppl-tokens 256 with --ppl-context 512: .*num_tokens=256 asked.*needs 512 tokens",
+        ),
+        (lambda d, m: ["--ppl-tokens", str(10**9)], r"holds only \d+ tokens"),
+        (lambda d, m: ["--corpus", "wikitext"], "Available corpora"),
+        (lambda d, m: ["--out", str(m / "config.json" / "out")], r"--out .* is not a writable directory"),
+        (lambda d, m: ["--work", str(m / "config.json" / "w")], r"--work .* is not a writable directory"),
+    ],
+)
+def test_bench_checks_its_arguments_before_any_run(bench_model, tmp_path, monkeypatch, capsys, extra, match):
+    """A wrong argument fails at once, with a message and exit 2, before any configuration runs."""
+    from flashlm.cli import main
+    from flashlm.eval import bench
+
+    calls = []
+    monkeypatch.setattr(bench, "run_in_subprocess", lambda spec, *a, **k: calls.append(spec))
+    assert main(_bench_argv(bench_model, tmp_path, *extra(tmp_path, bench_model))) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flashlm: error: ") and "Traceback" not in err
+    assert re.search(match, err), err
+    assert calls == [] and not (tmp_path / "out" / "bench.json").exists()
+
+
+def test_bench_needs_a_checkpoint_with_a_tokenizer_and_a_droppable_page_cache(
+    bench_model, tiny_path, tmp_path, monkeypatch
+):
+    """The checkpoint, its tokenizer (the prompt's) and the cold regime's page-cache drop are tried up
+    front (`flashlm bench` resolves `--model` itself: a missing directory fails there)."""
+    from flashlm.eval import bench, decode
+
+    calls = []
+    monkeypatch.setattr(bench, "run_in_subprocess", lambda spec, *a, **k: calls.append(spec))
+    common = {"memory_budget": "1MB", "methods": [], "new_tokens": 1, "out": tmp_path / "out"}
+    with pytest.raises(ConfigError, match=r"--model .*missing: no such directory"):
+        bench.prepare(tmp_path / "missing", cold=False, **common)
+    with pytest.raises(ConfigError, match="no tokenizer loads from it"):
+        bench.prepare(tiny_path, cold=False, **common)
+    with pytest.raises(ConfigError, match="--new-tokens must be at least 1"):
+        bench.prepare(bench_model, cold=False, **{**common, "new_tokens": 0})
+    monkeypatch.setattr(bench.os, "geteuid", lambda: 1000)
+    with pytest.raises(ConfigError, match=r"needs root.*--warm"):
+        bench.prepare(bench_model, **common)
+
+    def read_only() -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(bench.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(decode, "drop_page_cache", read_only)
+    with pytest.raises(ConfigError, match=r"Cannot drop the page cache \(Read-only file system.*--warm"):
+        bench.prepare(bench_model, **common)
+    monkeypatch.setattr(decode, "drop_page_cache", lambda: None)
+    plan = bench.prepare(bench_model, **common)
+    assert plan.memory_budget == 10**6 and plan.specs[1]["name"] == "accelerate-cold"
+    assert calls == []

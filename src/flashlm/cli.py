@@ -175,47 +175,41 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from transformers import AutoConfig
-
-    from .config import Budget
     from .eval import bench
-    from .eval.corpora import require
 
     model_path = _model_dir(args.model)
-    cold = not args.warm
-    if cold and os.geteuid() != 0:
-        raise SystemExit(
-            "flashlm bench drops the page cache before every decode step of the offloaded baselines, which "
-            "needs root; run as root, or pass --warm (baselines then read from the page cache, labelled "
-            "warm)."
-        )
-    config = AutoConfig.from_pretrained(model_path)
-    budget = Budget.parse(args.memory_budget).resolve(bench.mlp_bytes(model_path))
-    print(f"memory budget {format_bytes(budget)} for every flashlm configuration")
-    specs = bench.configurations(
-        memory_budget=budget,
-        methods=args.methods,
-        num_layers=config.get_text_config().num_hidden_layers,
-        pruned=Path(args.pruned) if args.pruned else None,
-        cold=cold,
-    )
-    if args.ppl_tokens:
-        require(args.corpus)  # an unknown or missing corpus fails before the long runs
+    out = Path(args.out)
     work = Path(args.work) if args.work else None
-    if work is not None:
-        work.mkdir(parents=True, exist_ok=True)
+    plan = bench.prepare(
+        model_path,
+        memory_budget=args.memory_budget,
+        methods=args.methods,
+        pruned=Path(args.pruned) if args.pruned else None,
+        new_tokens=args.new_tokens,
+        cold=not args.warm,
+        ppl_tokens=args.ppl_tokens,
+        ppl_context=args.ppl_context,
+        corpus=args.corpus,
+        out=out,
+        work=work,
+    )
+    print(f"memory budget {format_bytes(plan.memory_budget)} for every flashlm configuration")
     throughput = [] if args.no_disk else bench.disk_throughput(work or Path("/var/tmp"))
     report = bench.run_bench(
-        model_path, specs, new_tokens=args.new_tokens, work_dir=work, throughput=throughput
+        model_path, plan.specs, new_tokens=args.new_tokens, work_dir=work, throughput=throughput
     )
     if args.ppl_tokens:
         # After the decode runs: each runs in a child process, which would inherit this process's
         # peak RSS (fork copies it) and report the perplexity models' memory as its own.
         perplexity = bench.perplexities(
-            model_path, specs, num_tokens=args.ppl_tokens, context_length=args.ppl_context, corpus=args.corpus
+            model_path,
+            plan.specs,
+            num_tokens=args.ppl_tokens,
+            context_length=args.ppl_context,
+            corpus=args.corpus,
         )
         bench.add_perplexity(report, perplexity)
-    written = bench.save(report, Path(args.out))
+    written = bench.save(report, out)
     print(bench.markdown(report))
     print(f"\nwrote {', '.join(map(str, written))}")
     return 0

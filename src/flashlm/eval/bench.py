@@ -27,6 +27,10 @@ the other. Rows that compute the dense model exactly (RAM, Accelerate, hybrid, f
 streaming, which the tests check token for token) share one dense measurement; Endor, lossless, is
 scored as its pruned checkpoint. Sparse methods are scored as configured, memory budget included,
 since cache-aware masking depends on what the cache holds.
+
+A bench takes tens of minutes, so nothing it can know in advance is left to fail late: `prepare`
+checks every argument before the first run (checkpoints, budget, operating points, page-cache
+dropping, the perplexity corpus and token count, the output directories).
 """
 
 from __future__ import annotations
@@ -36,12 +40,17 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..config import FlashConfig
+from ..config import Budget, FlashConfig
 from ..errors import ConfigError
 from .decode import flashlm_spec, run_in_subprocess
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 NAIVE = "accelerate-cold"
 THROUGHPUT_GRID = ((256 << 10, 4), (1 << 20, 4), (64 << 10, 8), (32 << 10, 4), (4 << 10, 4))
@@ -93,7 +102,6 @@ def configurations(
     for method in methods:
         spec, density, options = operating_point(method)
         specs.append(flashlm_spec(f"flashlm-{method}", spec, density, memory_budget=memory_budget, **options))
-        FlashConfig(**specs[-1]["options"])  # a bad operating point fails here, not after the baselines
     if pruned is not None:
         specs.append(
             {
@@ -103,6 +111,9 @@ def configurations(
                 "options": {"method": "endor", "memory_budget": memory_budget},
             }
         )
+    for spec in specs:
+        if spec["kind"] == "flashlm":
+            FlashConfig(**spec["options"])  # a bad operating point fails here, not after the baselines
     return specs
 
 
@@ -119,6 +130,151 @@ def operating_point(text: str) -> tuple[str, float, dict[str, float]]:
             f"Operating point {text!r}: expected SPEC@DENSITY or SPEC@DENSITY/INPUT_DENSITY, e.g. "
             "'dip-ca@0.85' or 'dip-ca@0.8/0.7'."
         ) from None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A bench run whose arguments `prepare` checked: the budget in bytes every flashlm configuration
+    gets, and the specs to run, in report order."""
+
+    memory_budget: int
+    specs: list[dict[str, Any]]
+
+
+def prepare(
+    model_path: Path,
+    *,
+    memory_budget: str,
+    methods: list[str],
+    pruned: Path | None = None,
+    new_tokens: int,
+    cold: bool = True,
+    ppl_tokens: int = 0,
+    ppl_context: int = 512,
+    corpus: str = "shakespeare",
+    out: Path,
+    work: Path | None = None,
+) -> Plan:
+    """Check every argument of `flashlm bench` (its options by their flag names) and build the specs.
+
+    No model is loaded and nothing decoded, but everything a later step would trip on is tried
+    (configs and tokenizers load, the corpus is tokenized, the output directories take a file): a
+    bench takes tens of minutes, and an argument found wrong at the perplexity step or when the
+    report is written throws all of it away. Raises `ConfigError` (or another `FlashLMError`, such as
+    `CorpusNotFoundError`) saying what is wrong and what to do.
+    """
+    if new_tokens < 1:
+        raise ConfigError(f"--new-tokens must be at least 1, got {new_tokens}.")
+    if cold:
+        check_page_cache_drop()
+    config = checkpoint(model_path, "--model")
+    if pruned is not None:
+        checkpoint(pruned, "--pruned")
+    budget = Budget.parse(memory_budget).resolve(mlp_bytes(model_path))
+    specs = configurations(
+        memory_budget=budget,
+        methods=methods,
+        num_layers=config.get_text_config().num_hidden_layers,
+        pruned=pruned,
+        cold=cold,
+    )
+    writable_dir(out, "--out")
+    if work is not None:
+        writable_dir(work, "--work")
+    if ppl_tokens:
+        checkpoints = dict.fromkeys(perplexity_key(spec, model_path)[0] for spec in specs)
+        check_perplexity_tokens(checkpoints, corpus=corpus, num_tokens=ppl_tokens, context_length=ppl_context)
+    return Plan(budget, specs)
+
+
+def check_page_cache_drop() -> None:
+    """Drop the page cache once, as the cold baselines do before every decode step: without root, or
+    where `/proc/sys` is read-only (a container), they would fail only when their turn comes."""
+    from .decode import drop_page_cache
+
+    if os.geteuid() != 0:
+        raise ConfigError(
+            "flashlm bench drops the page cache before every decode step of the offloaded baselines, "
+            "which needs root; run as root, or pass --warm (baselines then read from the page cache, "
+            "labelled warm)."
+        )
+    try:
+        drop_page_cache()
+    except OSError as exc:
+        raise ConfigError(
+            f"Cannot drop the page cache ({exc.strerror or exc}; /proc/sys/vm/drop_caches is read-only "
+            "in most containers), which the cold baselines do before every decode step. Run where "
+            "it is writable, or pass --warm (baselines then read from the page cache, labelled warm)."
+        ) from exc
+
+
+def checkpoint(path: Path, flag: str) -> PretrainedConfig:
+    """The `transformers` config of the checkpoint at `path` (given as `flag`), after checking that
+    the decode runs can load it: a directory with config.json, weights and a tokenizer (every
+    configuration tokenizes the same prompt with it)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    what = "give a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files)"
+    if not path.is_dir():
+        raise ConfigError(f"{flag} {path}: no such directory; {what}.")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{flag} {path} is not a checkpoint (no config.json); {what}.")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise ConfigError(f"{flag} {path} holds no weights (*.safetensors or *.bin); {what}.")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{flag} {path}: its config.json does not load ({exc}); {what}.") from exc
+    try:
+        AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(
+            f"{flag} {path}: no tokenizer loads from it ({exc}); every configuration tokenizes the "
+            "prompt with it. Save the model's tokenizer into the directory (tokenizer.save_pretrained)."
+        ) from exc
+    return config
+
+
+def writable_dir(path: Path, flag: str) -> None:
+    """Create directory `path` (given as `flag`) and create and remove a file in it, as the report
+    writes do: an unwritable output directory is otherwise found after the first configuration."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".flashlm-bench-probe-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"{flag} {path} is not a writable directory ({exc.strerror or exc}); give one you can write."
+        ) from exc
+
+
+def check_perplexity_tokens(
+    checkpoints: Iterable[str | Path], *, corpus: str, num_tokens: int, context_length: int
+) -> None:
+    """Check that `num_tokens` of `corpus`'s test split, tokenized by each checkpoint's tokenizer,
+    are there and make at least one window of `context_length` (`perplexity.num_windows`, the
+    harness's own rule). Perplexity is scored after every decode run, so a count it refuses would
+    otherwise end the bench at its last step; tokenizing is cached, so the harness's own tokenizing
+    later is a load."""
+    from transformers import AutoTokenizer
+
+    from .corpora import corpus_tokens, require
+    from .perplexity import num_windows
+
+    require(corpus)
+    for path in checkpoints:
+        available = corpus_tokens(corpus, AutoTokenizer.from_pretrained(path), split="test").numel()
+        try:
+            num_windows(available, context_length, num_tokens)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"--ppl-tokens {num_tokens} with --ppl-context {context_length}: {exc}"
+            ) from None
+        if available < num_tokens:
+            raise ConfigError(
+                f"--ppl-tokens {num_tokens}: the test split of {corpus!r} holds only {available} tokens "
+                f"under the tokenizer of {path}. Ask for at most {available}, or 0 to skip perplexity."
+            )
 
 
 def disk_throughput(directory: Path, *, seconds: float = 0.5, size: int = 256 << 20) -> list[dict[str, Any]]:
