@@ -628,3 +628,110 @@ def test_bench_needs_a_checkpoint_with_a_tokenizer_and_a_droppable_page_cache(
     plan = bench.prepare(bench_model, **common)
     assert plan.memory_budget == 10**6 and plan.specs[1]["name"] == "accelerate-cold"
     assert calls == []
+
+
+def test_bench_writes_each_result_as_it_is_measured(bench_model, tmp_path, monkeypatch, capsys):
+    """bench.json / bench.md hold every finished configuration when the next one starts, with the
+    ratios recomputed from what is there; perplexity is added at the end."""
+    import json
+
+    from flashlm.cli import main
+    from flashlm.eval import bench
+
+    out = tmp_path / "out"
+    names = ["ram", "accelerate-warm", "hybrid-warm", "flashlm-dense", "flashlm-dip@0.9"]
+    seen = []
+
+    def fake_run(spec, model_path, *, new_tokens, offload_dir):
+        report = json.loads((out / "bench.json").read_text())
+        assert [r["config"] for r in report["results"]] == seen
+        assert report["pending"] == names[len(seen) :]
+        naive = report["results"][1]["decode_tok_s"] if len(seen) > 1 else math.nan
+        for result in report["results"]:  # ratios as of the results so far: NaN before the naive one
+            assert result["x_naive"] == pytest.approx(result["decode_tok_s"] / naive, nan_ok=True)
+        assert f"Not run yet (in progress or interrupted): {', '.join(names[len(seen) :])}." in (
+            (out / "bench.md").read_text()
+        )
+        seen.append(spec["name"])
+        return _fake_result(spec, len(seen) - 1)
+
+    monkeypatch.setattr(bench, "run_in_subprocess", fake_run)
+    assert main(_bench_argv(bench_model, tmp_path)) == 0, json.loads((out / "bench.json").read_text())
+    assert seen == names
+    report = json.loads((out / "bench.json").read_text())
+    assert report["pending"] == [] and report["failed"] == []
+    assert [r["x_naive"] for r in report["results"]] == [0.5, 1.0, 1.5, 2.0, 2.5]
+    assert report["perplexity"] == {"corpus": "shakespeare", "tokens": 64, "context_length": 32}
+    assert all(math.isfinite(r["perplexity"]) for r in report["results"])
+    assert "Not run yet" not in (out / "bench.md").read_text()
+    assert not list(out.glob(".*"))  # no temporary file left behind
+
+
+def test_a_failing_configuration_leaves_the_others_and_exits_nonzero(
+    bench_model, tmp_path, monkeypatch, capsys
+):
+    """The bench goes on past a failing configuration, keeps every result, records the failure with
+    its error, scores perplexity of the rest only and exits 1 naming it."""
+    import json
+
+    from flashlm.cli import main
+    from flashlm.eval import bench
+
+    out = tmp_path / "out"
+    calls = []
+
+    error = "configuration flashlm-dense failed (exit 1):\n\nMemoryError: out of memory"
+
+    def fake_run(spec, model_path, *, new_tokens, offload_dir):
+        calls.append(spec["name"])
+        if spec["name"] == "flashlm-dense":
+            raise RuntimeError(error)
+        return _fake_result(spec, len(calls) - 1)
+
+    scored = []
+
+    def fake_perplexities(model_path, specs, **kwargs):
+        scored.extend(spec["name"] for spec in specs)
+        by_config = {spec["name"]: 5.0 for spec in specs}
+        return {"corpus": kwargs["corpus"], "tokens": 64, "context_length": 32, "by_config": by_config}
+
+    monkeypatch.setattr(bench, "run_in_subprocess", fake_run)
+    monkeypatch.setattr(bench, "perplexities", fake_perplexities)
+    assert main(_bench_argv(bench_model, tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert "1 configuration(s) failed: flashlm-dense" in err and "Traceback" not in err
+    report = json.loads((out / "bench.json").read_text())
+    measured = ["ram", "accelerate-warm", "hybrid-warm", "flashlm-dip@0.9"]
+    assert calls == [*measured[:3], "flashlm-dense", measured[3]]
+    assert [r["config"] for r in report["results"]] == measured == scored
+    assert report["failed"] == [
+        {
+            "config": "flashlm-dense",
+            "kind": "flashlm",
+            "error": f"RuntimeError: {error}",
+        }
+    ]
+    assert "Failed: flashlm-dense: MemoryError: out of memory" in (out / "bench.md").read_text()
+    assert (out / "bench.png").is_file()
+
+
+def test_an_interrupted_bench_keeps_what_it_measured(tmp_path, monkeypatch):
+    """Interrupted at the third configuration, the report holds the first two and names the rest."""
+    import json
+
+    from flashlm.eval import bench
+
+    specs = bench.configurations(memory_budget=10**6, methods=[], num_layers=2, cold=True)
+
+    def fake_run(spec, model_path, *, new_tokens, offload_dir):
+        if spec["name"] == "accelerate-warm":
+            raise KeyboardInterrupt
+        return _fake_result(spec, {"ram": 1, "accelerate-cold": 0}[spec["name"]])
+
+    monkeypatch.setattr(bench, "run_in_subprocess", fake_run)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_bench(tmp_path, specs, new_tokens=1, out=tmp_path / "out", progress=False)
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert [r["config"] for r in report["results"]] == ["ram", "accelerate-cold"]
+    assert report["pending"] == ["accelerate-warm", "hybrid-cold", "flashlm-dense"]
+    assert report["results"][0]["x_naive"] == 2.0  # against accelerate-cold, the naive baseline

@@ -194,16 +194,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         work=work,
     )
     print(f"memory budget {format_bytes(plan.memory_budget)} for every flashlm configuration")
+    print(f"writing {out / 'bench.json'} and {out / 'bench.md'} as each configuration finishes")
     throughput = [] if args.no_disk else bench.disk_throughput(work or Path("/var/tmp"))
     report = bench.run_bench(
-        model_path, plan.specs, new_tokens=args.new_tokens, work_dir=work, throughput=throughput
+        model_path, plan.specs, new_tokens=args.new_tokens, out=out, work_dir=work, throughput=throughput
     )
-    if args.ppl_tokens:
+    measured = {result["config"] for result in report["results"]}
+    if args.ppl_tokens and measured:
         # After the decode runs: each runs in a child process, which would inherit this process's
         # peak RSS (fork copies it) and report the perplexity models' memory as its own.
         perplexity = bench.perplexities(
             model_path,
-            plan.specs,
+            [spec for spec in plan.specs if spec["name"] in measured],
             num_tokens=args.ppl_tokens,
             context_length=args.ppl_context,
             corpus=args.corpus,
@@ -212,6 +214,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     written = bench.save(report, out)
     print(bench.markdown(report))
     print(f"\nwrote {', '.join(map(str, written))}")
+    if report["failed"]:
+        names = ", ".join(failure["config"] for failure in report["failed"])
+        print(
+            f"flashlm: error: {len(report['failed'])} configuration(s) failed: {names}; their errors "
+            f"are in {out / 'bench.json'}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -584,7 +594,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument(
         "--work", default=None, help="directory for offload folders (default: /var/tmp)"
     )
-    bench_parser.add_argument("--out", default="bench-results/bench", help="where bench.json and bench.md go")
+    bench_parser.add_argument(
+        "--out",
+        default="bench-results/bench",
+        help="where bench.json and bench.md go (rewritten as each configuration finishes)",
+    )
     bench_parser.set_defaults(func=cmd_bench)
 
     from .sim.cli import add_simulate_parser

@@ -30,7 +30,9 @@ since cache-aware masking depends on what the cache holds.
 
 A bench takes tens of minutes, so nothing it can know in advance is left to fail late: `prepare`
 checks every argument before the first run (checkpoints, budget, operating points, page-cache
-dropping, the perplexity corpus and token count, the output directories).
+dropping, the perplexity corpus and token count, the output directories), and `run_bench` writes
+`bench.json` / `bench.md` after every configuration, a failing one recorded with its error while
+the rest go on.
 """
 
 from __future__ import annotations
@@ -370,40 +372,73 @@ def run_bench(
     specs: list[dict[str, Any]],
     *,
     new_tokens: int,
+    out: Path,
     work_dir: Path | None = None,
     throughput: list[dict[str, Any]] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Run every spec and return `{"results": [...], "throughput": [...]}`, each result with its ratio to
-    the naive baseline and its fraction of the disk bound added. Offload folders go under `work_dir`,
-    or a temporary directory removed after."""
+    """Run every spec, each in its own process, and return the report: `{"results": [...], "failed":
+    [...], "pending": [...], "naive": ..., "throughput": [...], "best_throughput": ...}`.
+
+    The report is written under `out` (`save`) before the first run and after each one, its ratios
+    recomputed from the results so far (`add_ratios`): a bench takes long, and one interrupted or
+    partly failing keeps what it measured. A configuration that fails is recorded in `failed` with
+    its error and the bench goes on with the next; the caller decides what failures mean.
+    `pending` names those not finished yet. Offload folders go under `work_dir`, or a temporary
+    directory removed after.
+    """
     from tqdm.auto import tqdm
 
+    names = [spec["name"] for spec in specs]
+    report: dict[str, Any] = {
+        "results": [],
+        "failed": [],
+        "pending": list(names),
+        # The naive baseline is cold Accelerate where it is run: a cold run that fails leaves its
+        # ratios empty rather than measured against the warm reference.
+        "naive": NAIVE if NAIVE in names else "accelerate-warm",
+        "throughput": throughput or [],
+        "best_throughput": max((cell["bytes_per_s"] for cell in throughput or []), default=math.nan),
+    }
+    save(report, out)
     with contextlib.ExitStack() as stack:
         if work_dir is None:
             scratch = "/var/tmp" if os.path.isdir("/var/tmp") else None
             work_dir = Path(
                 stack.enter_context(tempfile.TemporaryDirectory(prefix="flashlm-bench-", dir=scratch))
             )
-        results = []
         bar = tqdm(specs, desc="flashlm bench", unit="config", disable=not progress)
         for spec in bar:
             bar.set_postfix_str(spec["name"])
-            result = run_in_subprocess(
-                spec, model_path, new_tokens=new_tokens, offload_dir=work_dir / spec["name"]
-            )
-            result.update({key: spec[key] for key in ("memory_layers", "model") if key in spec})
-            results.append(result)
-    best = max((cell["bytes_per_s"] for cell in throughput or []), default=math.nan)
-    naive = next((r for r in results if r["config"] in (NAIVE, "accelerate-warm")), None)
-    for result in results:
+            try:
+                result = run_in_subprocess(
+                    spec, model_path, new_tokens=new_tokens, offload_dir=work_dir / spec["name"]
+                )
+            except Exception as exc:  # recorded; the next configurations still run
+                report["failed"].append(
+                    {"config": spec["name"], "kind": spec["kind"], "error": f"{type(exc).__name__}: {exc}"}
+                )
+            else:
+                result.update({key: spec[key] for key in ("memory_layers", "model") if key in spec})
+                report["results"].append(result)
+            report["pending"].pop(0)
+            add_ratios(report)
+            save(report, out)
+    return report
+
+
+def add_ratios(report: dict[str, Any]) -> None:
+    """Each result's ratio to the naive baseline (`x_naive`) and its disk bound and fraction of it,
+    from the results in `report` now: NaN while (or if) the naive baseline has no result."""
+    best = report["best_throughput"]
+    naive = next((r for r in report["results"] if r["config"] == report["naive"]), None)
+    for result in report["results"]:
         result["x_naive"] = result["decode_tok_s"] / naive["decode_tok_s"] if naive else math.nan
         per_token = result.get("reader_bytes_per_token") or result["proc_read_bytes_per_token"]
         # Only rows whose weights really come from the disk have a disk bound (not RAM, not warm).
         streams = result["kind"] in ("accelerate-cold", "flashlm") and per_token > 0
         result["bound_tok_s"] = best / per_token if streams else math.inf
         result["fraction_of_bound"] = result["decode_tok_s"] / result["bound_tok_s"] if streams else math.nan
-    return {"results": results, "throughput": throughput or [], "best_throughput": best}
 
 
 def add_perplexity(report: dict[str, Any], perplexity: dict[str, Any]) -> None:
@@ -448,7 +483,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {number(r.get('hit_rate'), '.1%')} | {split} | {r['peak_rss'] / 1e6:.0f} "
             f"| {'∞' if math.isinf(bound) else number(bound, '.1f')} "
             f"| {number(r['fraction_of_bound'], '.1%')} "
-            f"| {'yes' if ram and r['tokens'] == ram['tokens'] else ('—' if 'model' in r else 'NO')} "
+            f"| {'—' if ram is None or 'model' in r else ('yes' if r['tokens'] == ram['tokens'] else 'NO')} "
             f"| {number(r.get('perplexity'), '.2f')} |"
         )
     if report["throughput"]:
@@ -457,6 +492,11 @@ def markdown(report: dict[str, Any]) -> str:
             for c in report["throughput"]
         )
         lines.append(f"\nDisk (O_DIRECT random reads): {cells}. Bound = best / bytes read per token.")
+    for failure in report["failed"]:
+        last = next((line for line in reversed(failure["error"].splitlines()) if line.strip()), "")
+        lines.append(f"\nFailed: {failure['config']}: {last.strip()} (the whole error is in bench.json)")
+    if report["pending"]:
+        lines.append(f"\nNot run yet (in progress or interrupted): {', '.join(report['pending'])}.")
     lines.append(
         "\nEndor's split column shows read wait / — / decompress + compute. Tokens of `endor` (a pruned "
         "model) are not compared with the dense model's."
@@ -483,11 +523,24 @@ def plot(report: dict[str, Any], path: Path) -> Path:
 
 
 def save(report: dict[str, Any], out: Path) -> list[Path]:
-    """Write `bench.json`, `bench.md` and, when perplexity was measured, `bench.png` under `out`."""
+    """Write `bench.json`, `bench.md` and, when perplexity was measured, `bench.png` under `out`, each
+    under a temporary name renamed into place: the report is rewritten while the bench runs, and
+    a reader (or a bench killed mid-write) sees the previous file or the new one, never half."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "bench.md").write_text(markdown(report) + "\n")
-    written = [out / "bench.json", out / "bench.md"]
+    written = [
+        _write_atomic(out / "bench.json", json.dumps(report, indent=1, default=str)),
+        _write_atomic(out / "bench.md", markdown(report) + "\n"),
+    ]
     if "perplexity" in report:
-        written.append(plot(report, out / "bench.png"))
+        written.append(plot(report, out / "bench.png"))  # save_figure renames into place too
     return written
+
+
+def _write_atomic(path: Path, text: str) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
