@@ -6,33 +6,24 @@ not the disk, the bottleneck of CPU offloading (as the Endor paper found with CP
 `_decompress.c` does one branch-free pass per row with one dependent add per 8 elements, split over
 `torch.get_num_threads()` threads (ctypes releases the GIL): about 4x faster here.
 
-The shared library is compiled once per source, flags and CPU into flashlm's cache directory
-(written under a temporary name, then renamed). Without a compiler, or with `FLASHLM_C_KERNEL=0`,
-`cpu_kernel()` returns None and the torch path runs; `decompression_path()` says which is in use.
+The shared library is built once by `flashlm._native.load_library`. Without a compiler, or with
+`FLASHLM_C_KERNEL=0`, `cpu_kernel()` returns None and the torch path runs; `decompression_path()`
+says which is in use.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
 from pathlib import Path
 
 import torch
 
-from .._utils import cache_dir
-
-logger = logging.getLogger(__name__)
+from .._native import load_library
 
 SOURCE = Path(__file__).with_name("_decompress.c")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 PARALLEL_MIN_ELEMENTS = 1 << 16
 """Below this many elements one thread decompresses alone (a thread hand-off costs more)."""
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -88,48 +79,13 @@ class CpuKernel:
 @functools.cache
 def cpu_kernel() -> CpuKernel | None:
     """The C kernel, compiled and loaded on first call; None where it cannot be (logged once)."""
-    if os.environ.get("FLASHLM_C_KERNEL", "1") == "0":
+    library = load_library(SOURCE, "endor-decompress")
+    if library is None:
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        logger.warning("flashlm: no C compiler found; Endor decompresses on the CPU with torch ops (slower).")
-        return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    path = cache_dir() / "kernels" / f"endor-decompress-{key}.so"
-    if not path.exists():
-        try:
-            _build(compiler, path)
-        except (OSError, subprocess.CalledProcessError) as exc:
-            logger.warning("flashlm: could not build the Endor C kernel (%s); using torch ops (slower).", exc)
-            return None
-    return CpuKernel(ctypes.CDLL(str(path)), threads=max(1, torch.get_num_threads()))
+    return CpuKernel(library, threads=max(1, torch.get_num_threads()))
 
 
 def decompression_path() -> str:
     """Which CPU decompression runs: the C kernel (with its threads) or torch ops."""
     kernel = cpu_kernel()
     return f"C kernel, {kernel.threads} threads" if kernel is not None else "torch ops"
-
-
-def _build(compiler: str, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        subprocess.run(
-            [compiler, *FLAGS, "-o", str(tmp), str(SOURCE)], check=True, capture_output=True, text=True
-        )
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _cpu_signature() -> str:
-    """The machine and its CPU flags: a library built with -march=native runs only where they match."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    return f"{platform.machine()} {flags}"

@@ -1,0 +1,90 @@
+"""Build a small C source once, with the system compiler, into a shared library in flashlm's cache.
+
+flashlm's C kernels (Endor decompression, the sparse column products) are plain C loaded with
+ctypes: no torch headers, a second to compile. Each library is keyed by its source, its flags and the
+machine, written under a temporary name and renamed, so concurrent processes never load a half-written
+file. Without a compiler, or with `FLASHLM_C_KERNEL=0`, `load_library` returns None and the caller runs
+its torch path.
+
+The instruction set follows torch's own CPU capability: `ATEN_CPU_CAPABILITY=avx2` (torch's AVX2
+kernels) builds the C kernels for AVX2 too, so one variable selects what an AVX2-only machine runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from ._utils import cache_dir
+
+logger = logging.getLogger(__name__)
+
+_X86_MARCH = {"AVX512": "native", "AVX2": "x86-64-v3"}
+"""torch CPU capability -> gcc `-march`; anything else on x86 gets the SSE4.2 baseline `x86-64-v2`."""
+
+
+def target_flags() -> tuple[str, ...]:
+    """Code generation flags for the CPU torch runs on, at torch's capability (see module docstring)."""
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        return (f"-march={_X86_MARCH.get(torch.backends.cpu.get_cpu_capability(), 'x86-64-v2')}",)
+    return ("-mcpu=native",)
+
+
+def kernels_enabled() -> bool:
+    """False when `FLASHLM_C_KERNEL=0` asks for the torch paths."""
+    return os.environ.get("FLASHLM_C_KERNEL", "1") != "0"
+
+
+@functools.cache
+def load_library(source: Path, name: str) -> ctypes.CDLL | None:
+    """`source` compiled (once per source, flags and CPU) and loaded; None where that is impossible
+    (logged once, naming the torch fallback)."""
+    if not kernels_enabled():
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        logger.warning("flashlm: no C compiler found; %s runs as torch ops (slower).", name)
+        return None
+    flags = ("-O3", *target_flags(), "-shared", "-fPIC")
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + _cpu_signature().encode())
+    path = cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
+    if not path.exists():
+        try:
+            _build(compiler, flags, source, path)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            detail = getattr(exc, "stderr", None) or exc
+            logger.warning("flashlm: could not build %s (%s); using torch ops (slower).", name, detail)
+            return None
+    return ctypes.CDLL(str(path))
+
+
+def _build(compiler: str, flags: tuple[str, ...], source: Path, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        subprocess.run(
+            [compiler, *flags, "-o", str(tmp), str(source)], check=True, capture_output=True, text=True
+        )
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _cpu_signature() -> str:
+    """The machine and its CPU flags: a library built for one CPU runs only where they match."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{platform.machine()} {flags}"
