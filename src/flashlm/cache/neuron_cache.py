@@ -78,6 +78,7 @@ class NeuronCache(nn.Module):
             "slot_of", torch.full((num_units,), -1, dtype=INDEX_DTYPE, device=device), persistent=False
         )
         self.size = 0
+        self._unit_prefix = True
         self.reset_counters()
 
     # ---- accounting -------------------------------------------------------------------------
@@ -122,9 +123,25 @@ class NeuronCache(nn.Module):
         slots = self.slot_of[ids]
         hit = slots >= 0
         hit_ids, hit_slots, miss_ids = ids[hit], slots[hit], ids[~hit]
-        self.hits += hit_ids.numel()
-        self.misses += miss_ids.numel()
+        self.count(hit_ids.numel(), miss_ids.numel())
         return hit_ids, hit_slots, miss_ids
+
+    def find_misses(self, ids: torch.Tensor) -> torch.Tensor:
+        """The units of the sorted unique `ids` that are not resident (in order); counts hits and misses."""
+        miss_ids = ids[self.slot_of[ids] < 0]
+        self.count(ids.numel() - miss_ids.numel(), miss_ids.numel())
+        return miss_ids
+
+    def count(self, hits: int, misses: int) -> None:
+        """Add to the hit and miss counters (for callers that know them without a lookup)."""
+        self.hits += hits
+        self.misses += misses
+
+    @property
+    def holds_unit_prefix(self) -> bool:
+        """Whether slot s holds unit s for every occupied slot: `rows[:size]` is the layer's matrix
+        of units `0 .. size-1`, in unit order (how a cache that every step reads whole fills up)."""
+        return self._unit_prefix
 
     # ---- changes ----------------------------------------------------------------------------
 
@@ -145,7 +162,7 @@ class NeuronCache(nn.Module):
         admission rule in the module docstring.
         """
         self.policy.record(used_ids, step)
-        if self.size:
+        if self.size and self.policy.EXPIRES:
             self._delete(self.policy.expired(self.resident_ids, step))
         self._admit(miss_ids, miss_rows, row_ids)
 
@@ -156,76 +173,73 @@ class NeuronCache(nn.Module):
         history gives it (none yet: the lowest), and a window policy lets it go at the next update
         unless a step uses it.
         """
-        self._admit(ids, rows)
+        order = torch.argsort(ids)
+        self._admit(ids[order], rows[order])
 
     def clear(self) -> None:
         """Empty the cache and forget the policy's history (a new sequence starts); counters stay."""
         self.slot_of.fill_(-1)
         self.slot_ids.fill_(-1)
         self.size = 0
+        self._unit_prefix = True
         self.policy.reset()
 
-    def _rank(self, ids: torch.Tensor, *, descending: bool) -> torch.Tensor:
-        """Permutation of `ids` ordering them by policy priority, ties by ascending unit id.
-
-        Deterministic tie-breaking (not slot order) keeps the resident set a function of the trace.
-        """
-        by_id = torch.argsort(ids, stable=True)
-        by_priority = torch.argsort(self.policy.priority(ids[by_id]), descending=descending, stable=True)
-        return by_id[by_priority]
-
     def _admit(self, ids: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor | None = None) -> None:
-        """Admit the non-resident units among `ids`: fill free slots, then displace weaker residents.
+        """Admit the non-resident units among the sorted `ids`: free slots first, then displace weaker
+        residents. `rows[i]` is the row of `ids[i]`, or of `row_ids[i]` when given (see `update`).
 
-        `rows[i]` is the row of `ids[i]`, or of `row_ids[i]` when given (see `update`)."""
+        Cheap paths first: candidates that all fit go into the free slots in unit order (no ranking);
+        a full cache whose best candidate is no better than its weakest resident changes nothing (two
+        reductions). Otherwise one stable sort of residents and candidates decides who stays.
+        """
         if self.capacity == 0 or ids.numel() == 0:
             return
         ids = ids.to(self.slot_of.device)
-
-        def rows_of(take: torch.Tensor) -> torch.Tensor:
-            """Rows of `ids[take]`; only the rows that enter are gathered, not every row read."""
-            if row_ids is None:
-                picked = rows[take.to(rows.device)]
-            else:
-                picked = rows[torch.searchsorted(row_ids, ids[take].to(row_ids.device)).to(rows.device)]
-            return picked.to(device=self.rows.device, dtype=self.rows.dtype)
-
-        fresh = torch.nonzero(self.slot_of[ids] < 0).squeeze(1)
-        if self.size == self.capacity and fresh.numel():
-            # Full cache: nothing enters unless some candidate beats the weakest resident. Checking
-            # that with two reductions spares the sorts on the common steady-state step.
-            best = self.policy.priority(ids[fresh]).max()
-            if best <= self.policy.priority(self.resident_ids).min():
-                return
-        order = fresh[self._rank(ids[fresh], descending=True)]  # indices into ids/rows, best first
-
-        n_fill = min(self.capacity - self.size, order.numel())
-        if n_fill:
-            take = order[:n_fill]
-            slots = torch.arange(self.size, self.size + n_fill, device=self.slot_ids.device)
-            self._place(slots, ids[take], rows_of(take))
-            self.size += n_fill
-            self.admissions += n_fill
-        rest = order[n_fill:]
-        if rest.numel() == 0:
+        fresh = ids[self.slot_of[ids] < 0]
+        free = self.capacity - self.size
+        if fresh.numel() <= free:
+            self._append(fresh, rows, ids if row_ids is None else row_ids)
             return
+        weakest_resident = self.policy.priority(self.resident_ids).min() if free == 0 else None
+        if weakest_resident is not None and self.policy.priority(fresh).max() <= weakest_resident:
+            return
+        # Rank residents and candidates by priority in one stable sort. Ties keep their order in the
+        # union: residents first (a candidate must be strictly better), residents by descending id
+        # (the lowest id leaves first), then candidates by ascending id (the lowest id enters first).
+        residents = torch.nonzero(self.slot_of >= 0).squeeze(1).flip(0)
+        union = torch.cat([residents, fresh])
+        order = torch.sort(self.policy.priority(union), descending=True, stable=True).indices
+        staying, leaving = order[: self.capacity], order[self.capacity :]
+        entering = union[staying[staying >= residents.numel()]]
+        evicted = union[leaving[leaving < residents.numel()]]
+        if evicted.numel():
+            slots = self.slot_of[evicted]
+            self.slot_of[evicted] = -1
+            self._place(slots, entering[: evicted.numel()], rows, ids if row_ids is None else row_ids)
+            self.evictions += evicted.numel()
+            self.admissions += evicted.numel()
+            self._unit_prefix = False
+        self._append(entering[evicted.numel() :], rows, ids if row_ids is None else row_ids)
 
-        # The cache is full. Pair the k-th best candidate with the k-th weakest resident: candidates
-        # fall and residents rise in priority, so "candidate strictly better" holds on a prefix.
-        victims = self._rank(self.resident_ids, descending=False)[: rest.numel()]  # slots, weakest first
-        rest = rest[: victims.numel()]
-        wins = self.policy.priority(ids[rest]) > self.policy.priority(self.slot_ids[victims])
-        n_swap = int(wins.sum())
-        if n_swap:
-            slots, take = victims[:n_swap], rest[:n_swap]
-            self.slot_of[self.slot_ids[slots]] = -1
-            self._place(slots, ids[take], rows_of(take))
-            self.evictions += n_swap
-            self.admissions += n_swap
+    def _append(self, ids: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor) -> None:
+        """Put units `ids` (ascending) into the free slots after the occupied ones."""
+        if ids.numel() == 0:
+            return
+        first = self.size
+        slots = torch.arange(first, first + ids.numel(), device=self.slot_ids.device)
+        self._place(slots, ids, rows, row_ids)
+        self.size += ids.numel()
+        self.admissions += ids.numel()
+        if self._unit_prefix:
+            self._unit_prefix = bool(ids[0] == first) and bool(ids[-1] == self.size - 1)
 
-    def _place(self, slots: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write units `ids` with rows `rows` into `slots` and index them."""
-        self.rows[slots] = rows
+    def _place(
+        self, slots: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor
+    ) -> None:
+        """Write units `ids` into `slots`, their rows gathered from `rows` (row `i` holds unit
+        `row_ids[i]`, ascending), and index them. Only the rows that enter are gathered."""
+        at = torch.searchsorted(row_ids.to(ids.device), ids)
+        self.rows[slots] = rows[at.to(rows.device)].to(device=self.rows.device, dtype=self.rows.dtype)
         self.slot_ids[slots] = ids
         self.slot_of[ids] = slots
 
@@ -249,6 +263,7 @@ class NeuronCache(nn.Module):
         self.slot_ids[new_size : self.size] = -1
         self.size = new_size
         self.evictions += n_doomed
+        self._unit_prefix = self._unit_prefix and holes.numel() == 0
 
     def extra_repr(self) -> str:
         return (

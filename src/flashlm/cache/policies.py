@@ -85,6 +85,8 @@ class EvictionPolicy(nn.Module):
 
     name: ClassVar[str]
     STATE: ClassVar[dict[str, int]] = {}
+    EXPIRES: ClassVar[bool] = False
+    """Whether `expired` can flag anything (the cache skips the check for policies that never do)."""
 
     def __init__(self, num_units: int) -> None:
         super().__init__()
@@ -167,6 +169,7 @@ class WindowPolicy(EvictionPolicy):
     """
 
     STATE = {"last_step": -1}
+    EXPIRES = True
     last_step: torch.Tensor
 
     def __init__(self, num_units: int, window: int = 4) -> None:
