@@ -1,0 +1,67 @@
+/* Sparse column products on the CPU: out += coef @ rows, over the rows whose coefficients are not all
+ * zero (PowerInfer's neuron-aware operator: a unit's weights are one contiguous row, wherever it sits).
+ *
+ * Built on first use by flashlm._native; flashlm.ops.columns is the caller, with torch fallbacks.
+ *
+ *   out[t * ldo + j] += sum_k coef[t * ldc + k] * rows[k * ldr + j]    t < T, k < n, j0 <= j < j1
+ *
+ * coef and out are float32; rows are bf16, fp16 or fp32, converted as they are read. Columns are
+ * processed in blocks that keep the block of `out` in L1; rows are taken four at a time so each load
+ * and store of `out` carries four multiply-adds. A row whose coefficients are all zero is skipped, so
+ * a masked product costs what the kept units weigh. Summation order is fixed by the arguments (and the
+ * caller's column split), so results are deterministic.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 1024
+#define GROUP 4
+
+static inline float bf16_to_float(uint16_t v) {
+    union { uint32_t u; float f; } x;
+    x.u = (uint32_t)v << 16;
+    return x.f;
+}
+static inline float f16_to_float(_Float16 v) { return (float)v; }
+static inline float f32_to_float(float v) { return v; }
+
+/* Up to GROUP rows with a nonzero coefficient, starting the scan at *k; returns how many. */
+static inline int next_group(const float *coef, int64_t ldc, int64_t T, int64_t n, int64_t *k,
+                             int64_t group[GROUP]) {
+    int g = 0;
+    for (; *k < n && g < GROUP; (*k)++) {
+        for (int64_t t = 0; t < T; t++) {
+            if (coef[t * ldc + *k] != 0.0f) {
+                group[g++] = *k;
+                break;
+            }
+        }
+    }
+    return g;
+}
+
+#define DEFINE_COLUMNS(NAME, ELEM, CONVERT)                                                           \
+    void NAME(const float *coef, int64_t ldc, int64_t T, int64_t n, const ELEM *rows, int64_t ldr,    \
+              float *out, int64_t ldo, int64_t j0, int64_t j1) {                                      \
+        for (int64_t b0 = j0; b0 < j1; b0 += BLOCK) {                                                \
+            const int64_t len = (j1 - b0) < BLOCK ? (j1 - b0) : BLOCK;                               \
+            int64_t group[GROUP], k = 0;                                                              \
+            int g;                                                                                    \
+            while ((g = next_group(coef, ldc, T, n, &k, group)) > 0) {                                \
+                const ELEM *r[GROUP];                                                                 \
+                for (int q = 0; q < GROUP; q++) r[q] = rows + group[q < g ? q : 0] * ldr + b0;       \
+                for (int64_t t = 0; t < T; t++) {                                                     \
+                    float c[GROUP];                                                                   \
+                    for (int q = 0; q < GROUP; q++) c[q] = q < g ? coef[t * ldc + group[q]] : 0.0f;   \
+                    float *o = out + t * ldo + b0;                                                    \
+                    for (int64_t j = 0; j < len; j++)                                                 \
+                        o[j] += c[0] * CONVERT(r[0][j]) + c[1] * CONVERT(r[1][j]) +                   \
+                                c[2] * CONVERT(r[2][j]) + c[3] * CONVERT(r[3][j]);                    \
+                }                                                                                     \
+            }                                                                                         \
+        }                                                                                             \
+    }
+
+DEFINE_COLUMNS(flashlm_columns_bf16, uint16_t, bf16_to_float)
+DEFINE_COLUMNS(flashlm_columns_f16, _Float16, f16_to_float)
+DEFINE_COLUMNS(flashlm_columns_f32, float, f32_to_float)

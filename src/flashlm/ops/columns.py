@@ -1,0 +1,189 @@
+"""`out += coef @ rows` over unit rows, the product of every "input unit" of the sparse methods.
+
+A DIP input column (`up[:, i] | gate[:, i]`), a down column, the down half of an up-pruning bundle:
+each such unit is a row of its store matrix, and the projection sums `coef[t, k] * rows[k]` over the
+units kept. As a BLAS call this is the non-transposed product `coef @ rows`, which some CPUs serve
+well and others do not: torch's bf16 kernel for it on a CPU without AVX-512 (no oneDNN) runs ~100x
+slower than `F.linear` on the same bytes. Transposing the rows first costs more than the product.
+
+So this module keeps the rows as they are (cache slots and staging buffers hold unit rows) and
+chooses, by measurement on the machine at hand, between:
+
+- `native`: a C kernel (`_columns.c`) that streams each kept row once, converting bf16/fp16 to
+  fp32 as it reads and skipping rows whose coefficients are all zero (PowerInfer's neuron-aware
+  operator), on one thread or with the columns split over torch's thread count;
+- `torch`: `torch.mm` in the rows' dtype;
+- `torch-fp32`: the rows converted to fp32, then `torch.addmm` (what a CPU without bf16 units
+  does fastest for many tokens).
+
+Each is timed once per (dtype, width, token bucket) when a runtime asks for it
+(`ColumnProduct.measure`): one token (decode) and `PREFILL_TOKENS` tokens (a prompt). Accumulation
+is in fp32 whatever the path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+
+from .._native import load_library
+
+SOURCE = Path(__file__).with_name("_columns.c")
+PREFILL_TOKENS = 32
+"""Token count of the second measured bucket; a product of more than `DECODE_MAX_TOKENS` tokens uses it."""
+DECODE_MAX_TOKENS = 4
+"""Products of up to this many tokens use the choice measured for one token."""
+SAMPLE_ROWS = 256
+"""Rows of the synthetic matrix each candidate is timed on (the choice scales with rows)."""
+PARALLEL_MIN_ELEMENTS = 1 << 20
+"""Below this many row elements one thread runs the native kernel alone (a hand-off costs more)."""
+ALIGN = 16
+"""Column ranges of the threads start at multiples of this (a vector of fp32 on AVX-512)."""
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+
+@functools.cache
+def _native_functions() -> dict[torch.dtype, Callable] | None:
+    library = load_library(SOURCE, "columns")
+    if library is None:
+        return None
+    functions = {}
+    for dtype, suffix in _SUFFIX.items():
+        function = getattr(library, f"flashlm_columns_{suffix}")
+        function.argtypes = [_P, _I, _I, _I, _P, _I, _P, _I, _I, _I]
+        function.restype = None
+        functions[dtype] = function
+    return functions
+
+
+@functools.cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="flashlm-columns")
+
+
+def _check(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
+    if out.dtype != torch.float32 or coef.dtype != torch.float32:
+        raise ValueError(f"out and coef must be float32, got {out.dtype} and {coef.dtype}.")
+    if rows.dim() != 2 or rows.stride(1) != 1 or coef.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("rows, coef and out must be 2-D with unit column stride.")
+    if coef.shape[1] != rows.shape[0] or out.shape != (coef.shape[0], rows.shape[1]):
+        raise ValueError(
+            f"out {tuple(out.shape)} += coef {tuple(coef.shape)} @ rows {tuple(rows.shape)}: shapes disagree."
+        )
+
+
+def native(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor, threads: int = 1) -> None:
+    """`out += coef @ rows` with the C kernel (see module docstring); CPU tensors, `threads` column ranges."""
+    functions = _native_functions()
+    if functions is None:
+        raise RuntimeError("The native column kernel is not available here (no C compiler, or disabled).")
+    _check(out, coef, rows)
+    tokens, n = coef.shape
+    width = rows.shape[1]
+    if n == 0 or tokens == 0:
+        return
+    args = (coef.data_ptr(), coef.stride(0), tokens, n, rows.data_ptr(), rows.stride(0))
+    function = functions[rows.dtype]
+    if threads <= 1 or n * width < PARALLEL_MIN_ELEMENTS:
+        function(*args, out.data_ptr(), out.stride(0), 0, width)
+        return
+    bounds = [min(width, width * part // threads // ALIGN * ALIGN) for part in range(threads)] + [width]
+    ranges = list(pairwise(bounds))
+    futures = [
+        _pool(threads).submit(function, *args, out.data_ptr(), out.stride(0), first, last)
+        for first, last in ranges[1:]
+    ]
+    function(*args, out.data_ptr(), out.stride(0), *ranges[0])
+    for future in futures:
+        future.result()
+
+
+def torch_mm(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
+    """`out += coef @ rows` with torch's matmul in the rows' dtype."""
+    out += torch.mm(coef.to(rows.dtype), rows)
+
+
+FP32_CHUNK_ROWS = 256
+"""Rows converted to fp32 at a time, so the conversion's scratch stays small next to the budget."""
+
+
+def torch_fp32(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
+    """`out += coef @ rows` with the rows converted to fp32 first, `FP32_CHUNK_ROWS` at a time."""
+    for first in range(0, rows.shape[0], FP32_CHUNK_ROWS):
+        last = first + FP32_CHUNK_ROWS
+        out.addmm_(coef[:, first:last], rows[first:last].float())
+
+
+@dataclass(frozen=True)
+class ColumnProduct:
+    """The measured choice of implementation for one (rows dtype, width): one for a decode step's few
+    tokens, one for a prompt's many. Call it as `product(out, coef, rows)` (`out += coef @ rows`)."""
+
+    decode: str
+    prefill: str
+    threads: int
+    timings_ms: dict[str, dict[str, float]]
+
+    def __call__(self, out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
+        if rows.shape[0] == 0:
+            return
+        name = self.decode if coef.shape[0] <= DECODE_MAX_TOKENS else self.prefill
+        if rows.device.type != "cpu" and name == "native":
+            name = "torch"
+        _run(name, out, coef, rows, self.threads)
+
+    @classmethod
+    def measure(cls, dtype: torch.dtype, width: int) -> ColumnProduct:
+        """Time every implementation available on a synthetic `[SAMPLE_ROWS, width]` matrix (memoized)."""
+        return _measure(dtype, width, torch.get_num_threads())
+
+
+def _run(name: str, out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor, threads: int) -> None:
+    if name == "native":
+        native(out, coef, rows, threads)
+    elif name == "torch":
+        torch_mm(out, coef, rows)
+    else:
+        torch_fp32(out, coef, rows)
+
+
+@functools.cache
+def _measure(dtype: torch.dtype, width: int, threads: int) -> ColumnProduct:
+    candidates = (
+        ["native", "torch", "torch-fp32"] if _native_functions() is not None else ["torch", "torch-fp32"]
+    )
+    generator = torch.Generator().manual_seed(0)
+    # Explicit dtypes: this runs while transformers builds a model under another default dtype.
+    rows = torch.randn(SAMPLE_ROWS, width, generator=generator, dtype=torch.float32).to(dtype)
+    timings: dict[str, dict[str, float]] = {}
+    best: dict[str, str] = {}
+    for bucket, tokens in (("decode", 1), ("prefill", PREFILL_TOKENS)):
+        coef = torch.randn(tokens, SAMPLE_ROWS, generator=generator, dtype=torch.float32)
+        out = torch.zeros(tokens, width, dtype=torch.float32)
+        timings[bucket] = {}
+        for name in candidates:
+            call = functools.partial(_run, name, out, coef, rows, threads)
+            timings[bucket][name] = 1e3 * _time(call)
+        best[bucket] = min(timings[bucket], key=timings[bucket].get)
+    return ColumnProduct(best["decode"], best["prefill"], threads, timings)
+
+
+def _time(run: Callable[[], None], repeats: int = 5) -> float:
+    """Median seconds of `run` after one warm-up call."""
+    run()
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - started)
+    return sorted(samples)[len(samples) // 2]
