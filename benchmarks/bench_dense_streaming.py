@@ -103,7 +103,7 @@ def main() -> None:
     store = work / "store.flash"
     flashlm.convert(model, store, progress=True)
     opened = flashlm.Store.open(store)
-    mlp_bytes = opened.nbytes("bundle")
+    mlp_bytes = opened.nbytes()
     minimum = minimum_budget(store)
     named = {
         "min": minimum,

@@ -124,7 +124,11 @@ def gated(request, tmp_path_factory) -> Checkpoint:
 
 
 def all_kinds(model_type: str) -> tuple[str, ...]:
-    return KINDS if model_type in GATED else ("bundle",)
+    return KINDS if model_type in GATED else ("up", "down", "bundle")
+
+
+def default_kinds(model_type: str) -> tuple[str, ...]:
+    return ("gate_up", "down") if model_type in GATED else ("up", "down")
 
 
 def expected_rows(model: torch.nn.Module, layer: int, kind: str) -> torch.Tensor:
@@ -141,7 +145,10 @@ def expected_rows(model: torch.nn.Module, layer: int, kind: str) -> torch.Tensor
         gate = getattr(owner, spec.gate).weight.detach() if spec.gate else None
     if kind == "dip_in":
         return torch.stack([torch.cat([up[:, i], gate[:, i]]) for i in range(down.shape[0])])
+    if kind == "down":
+        return torch.stack([down[i] for i in range(down.shape[0])])
     row = {
+        "gate_up": lambda j: [gate[j], up[j]],
         "bundle": (lambda j: [up[j], down[:, j]])
         if gate is None
         else (lambda j: [gate[j], up[j], down[:, j]]),
@@ -173,7 +180,9 @@ def test_round_trip(checkpoint: Checkpoint, tmp_path: Path) -> None:
     assert store.gated is gated
     assert store.kinds == kinds
     assert store.kinds == (
-        ("bundle", "dip_in", "dip_down", "gate", "up", "gate_down", "up_down") if gated else ("bundle",)
+        ("gate_up", "up", "down", "bundle", "dip_in", "dip_down", "gate", "gate_down", "up_down")
+        if gated
+        else ("up", "down", "bundle")
     )
     assert store.num_layers == config.num_hidden_layers
     assert store.d_model == config.hidden_size
@@ -195,12 +204,16 @@ def test_round_trip(checkpoint: Checkpoint, tmp_path: Path) -> None:
         assert store.nbytes(kind) == sum(f.nbytes for f in store.row_files(kind).values())
 
 
-def test_convert_writes_only_bundle_by_default(checkpoint: Checkpoint, tmp_path: Path) -> None:
+def test_convert_writes_the_dense_kinds_by_default(checkpoint: Checkpoint, tmp_path: Path) -> None:
     store = convert(checkpoint.path, tmp_path / "store", progress=False)
-    assert store.kinds == ("bundle",)
-    assert list(store.manifest["kinds"]) == ["bundle"]
+    kinds = default_kinds(checkpoint.model_type)
+    assert store.kinds == kinds
+    assert list(store.manifest["kinds"]) == list(kinds)
     names = sorted(p.name for p in (store.path / "layers").iterdir())
-    assert names == [f"{layer:03d}.bundle.safetensors" for layer in range(store.num_layers)]
+    assert names == sorted(
+        f"{layer:03d}.{kind}.safetensors" for layer in range(store.num_layers) for kind in kinds
+    )
+    assert store.nbytes() == sum(store.nbytes(kind) for kind in kinds)
 
 
 def test_resident_biases(checkpoint: Checkpoint, tmp_path: Path) -> None:
@@ -269,7 +282,7 @@ def test_kind_subset(llama: Checkpoint, tmp_path: Path) -> None:
 
 def test_dip_kinds_need_a_gated_mlp(tmp_path: Path) -> None:
     model = _build(CONFIGS["opt"](), tmp_path / "opt")
-    with pytest.raises(ValueError, match="valid kinds: bundle"):
+    with pytest.raises(ValueError, match="valid kinds: up, down, bundle"):
         convert(model, tmp_path / "store", kinds=["dip_in"], progress=False)
     assert not (tmp_path / "store").exists()
 
@@ -310,7 +323,7 @@ def test_existing_destination(llama: Checkpoint, tmp_path: Path) -> None:
     with pytest.raises(FileExistsError, match="overwrite=True"):
         convert(llama.path, dest, progress=False)
     assert Store.open(dest).kinds == ("dip_in",)
-    assert convert(llama.path, dest, overwrite=True, progress=False).kinds == ("bundle",)
+    assert convert(llama.path, dest, overwrite=True, progress=False).kinds == ("gate_up", "down")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
     precious = tmp_path / "precious"
     precious.mkdir()
@@ -336,8 +349,8 @@ def tree(path: Path) -> dict[str, bytes]:
 def test_add_kinds_matches_convert(gated: Checkpoint, tmp_path: Path, kinds: tuple[str, ...]) -> None:
     base = convert(gated.path, tmp_path / "added", progress=False)
     added = add_kinds(base, kinds[::-1], progress=False)
-    direct = convert(gated.path, tmp_path / "direct", kinds=("bundle", *kinds), progress=False)
-    assert added.kinds == direct.kinds == tuple(k for k in KINDS if k == "bundle" or k in kinds)
+    direct = convert(gated.path, tmp_path / "direct", kinds=("gate_up", "down", *kinds), progress=False)
+    assert added.kinds == direct.kinds == tuple(k for k in KINDS if k in ("gate_up", "down") or k in kinds)
     assert added.manifest["kinds"] == direct.manifest["kinds"]
     assert added.manifest["files"] == direct.manifest["files"]
     assert list(added.manifest["files"]) == list(direct.manifest["files"])
@@ -363,12 +376,12 @@ def test_add_kinds_is_idempotent(llama: Checkpoint, tmp_path: Path) -> None:
     store = add_kinds(convert(llama.path, tmp_path / "store", progress=False), ["dip_in"], progress=False)
     before = tree(store.path)
     assert add_kinds(store, ["dip_in"], progress=False) is store
-    assert add_kinds(store, "bundle", progress=False) is store
+    assert add_kinds(store, "gate_up", progress=False) is store
     assert add_kinds(store, [], progress=False) is store
     # A stale `Store` (another process added the kind meanwhile) also finds it present.
     stale = Store.open(store.path)
-    stale.kinds = ("bundle",)
-    assert add_kinds(stale, ["dip_in"], progress=False).kinds == ("bundle", "dip_in")
+    stale.kinds = ("gate_up", "down")
+    assert add_kinds(stale, ["dip_in"], progress=False).kinds == ("gate_up", "down", "dip_in")
     assert tree(store.path) == before
 
 
@@ -383,20 +396,29 @@ def test_add_kinds_needs_a_gated_mlp(tmp_path: Path) -> None:
     store = convert(model, tmp_path / "store", progress=False)
     before = tree(store.path)
     for kind in ("dip_in", "up_down", "gate"):
-        with pytest.raises(ValueError, match=rf"Cannot write unit kinds \['{kind}'\].*valid kinds: bundle\."):
+        with pytest.raises(ValueError, match=rf"Cannot write unit kinds \['{kind}'\].*valid kinds: up, down"):
             add_kinds(store, ["bundle", kind], progress=False)
     with pytest.raises(ValueError, match="'nonsense'"):
         add_kinds(store, ["nonsense"], progress=False)
     assert tree(store.path) == before
 
 
-def test_add_kinds_needs_the_bundle(llama: Checkpoint, tmp_path: Path) -> None:
-    store = convert(llama.path, tmp_path / "store", kinds=["dip_in", "dip_down"], progress=False)
+def test_add_kinds_needs_a_whole_mlp(llama: Checkpoint, tmp_path: Path) -> None:
+    store = convert(llama.path, tmp_path / "store", kinds=["dip_in", "gate"], progress=False)
     assert add_kinds(store, ["dip_in"], progress=False) is store
     with pytest.raises(StoreMismatchError, match="flashlm convert --kinds") as info:
-        add_kinds(store, ["gate"], progress=False)
-    assert "no 'bundle' units" in str(info.value)
+        add_kinds(store, ["up"], progress=False)
+    assert "do not hold every weight of the MLP" in str(info.value)
     assert "kinds=[...]" in str(info.value)
+
+
+@pytest.mark.parametrize("source", [("dip_in", "dip_down"), ("bundle",), ("up", "gate_down")], ids=str)
+def test_add_kinds_derives_from_any_whole_mlp(llama: Checkpoint, tmp_path: Path, source) -> None:
+    store = convert(llama.path, tmp_path / "store", kinds=source, progress=False)
+    added = add_kinds(store, ["gate_up", "down"], progress=False)
+    for kind in ("gate_up", "down"):
+        with safe_open(added.row_file(1, kind).path, framework="pt") as f:
+            assert torch.equal(f.get_tensor("rows"), expected_rows(llama.model, 1, kind))
 
 
 @pytest.mark.parametrize("fails", ["write_aligned_safetensors", "fsync_dir"])
@@ -420,9 +442,10 @@ def test_failed_add_kinds_leaves_the_store_unchanged(
     with pytest.raises(RuntimeError, match="disk on fire"):
         add_kinds(store, ["dip_in", "dip_down"], progress=False)
     assert tree(store.path) == before
-    assert Store.open(store.path).kinds == ("bundle",)
+    assert Store.open(store.path).kinds == ("gate_up", "down")
     monkeypatch.undo()
-    assert add_kinds(store, ["dip_in", "dip_down"], progress=False).kinds == ("bundle", "dip_in", "dip_down")
+    added = add_kinds(store, ["dip_in", "dip_down"], progress=False)
+    assert added.kinds == ("gate_up", "down", "dip_in", "dip_down")
 
 
 def test_add_kinds_os_error_says_the_store_is_unchanged(
@@ -435,8 +458,8 @@ def test_add_kinds_os_error_says_the_store_is_unchanged(
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(convert_module, "write_aligned_safetensors", full)
-    with pytest.raises(OSError, match=r"Cannot add unit kinds gate, up to the store .* is unchanged") as info:
-        add_kinds(store, ["up", "gate"], progress=False)
+    with pytest.raises(OSError, match=r"Cannot add unit kinds up, gate to the store .* is unchanged") as info:
+        add_kinds(store, ["gate", "up"], progress=False)
     assert info.value.errno == errno.ENOSPC
     assert tree(store.path) == before
 

@@ -1,12 +1,13 @@
 """`convert`: write a store from a checkpoint or a model, in one streaming pass over its layers;
-`add_kinds`: add unit kinds to an existing store, derived from its own `bundle` rows.
+`add_kinds`: add unit kinds to an existing store, derived from the kinds it holds.
 
 Each layer's MLP tensors are loaded, rearranged into the row matrices of the requested unit kinds
-(by default only `bundle`), written, hashed and dropped before the next layer is read, so memory
-holds one layer at a time. Everything goes to a temporary sibling directory that is renamed to the
-destination only when complete. The other kinds (the sparse methods' layouts) are added on first use
-by `add_kinds`, which rebuilds each layer's weights from its bundle matrix and commits the new files
-by replacing `manifest.json`, so a store never has to hold every layout of every model.
+(by default dense streaming's, `dense_kinds`), written, hashed and dropped before the next layer is
+read, so memory holds one layer at a time. Everything goes to a temporary sibling directory that is
+renamed to the destination only when complete. The other kinds (the sparse methods' layouts) are
+added on first use by `add_kinds`, which rebuilds each layer's weights from the kinds the store has
+(`layer_weights`) and commits the new files by replacing `manifest.json`, so a store never has to
+hold every layout of every model.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .format import (
     RESIDENT,
     ROWS,
     Store,
+    dense_kinds,
     dtype_from_name,
     dtype_name,
     kinds_for,
@@ -63,9 +65,9 @@ def convert(
         dest: the store directory to create. Nothing is ever left half-written there: on any error
             the temporary directory is removed and an existing store is kept.
         dtype: dtype of the stored weights (`torch.bfloat16` or `"bfloat16"`); None keeps the source's.
-        kinds: unit kinds to write (see `KINDS`); None writes only `bundle`, the layout of dense
-            streaming and the one every other kind can be derived from: `add_kinds` (which loading
-            a model with a sparse method calls) adds the others when they are first needed.
+        kinds: unit kinds to write (see `KINDS`); None writes dense streaming's (`dense_kinds`),
+            from which every other kind can be derived: `add_kinds` (which loading a model with a
+            sparse method calls) adds the others when they are first needed.
         progress: show a progress bar over layers.
         overwrite: replace an existing store at `dest` (otherwise `FileExistsError`).
     """
@@ -109,19 +111,19 @@ def staged_directory(dest: Path, *, overwrite: bool) -> Iterator[Path]:
 
 
 def add_kinds(store: Store, kinds: Iterable[str], *, progress: bool = True) -> Store:
-    """Make `store` hold every unit kind in `kinds`, deriving the missing ones from its `bundle` rows.
+    """Make `store` hold every unit kind in `kinds`, deriving the missing ones from those it holds.
 
     Returns `store` itself when it already holds them all, else the store reopened (and revalidated).
-    Each layer's bundle matrix is read back, split into the MLP's weights and laid out as `convert`
-    would (the files are byte-identical to those `convert(..., kinds=...)` writes). New row files are
+    Each layer's weights are read back (`layer_weights`) and laid out as `convert` would (the files
+    are byte-identical to those `convert(..., kinds=...)` writes). New row files are
     written under temporary names and renamed into place; the kinds become visible only when the
     updated manifest replaces `manifest.json`, so a failure or a crash leaves the store as it was.
     Concurrent callers on one store are serialized by an advisory lock on its directory (POSIX).
 
     Raises:
         ValueError: a kind the store's MLP cannot have (the sparse kinds need a gated MLP).
-        StoreMismatchError: the store holds no `bundle` rows to derive from.
-        StoreCorruptError: the bundle matrices do not have the shape the manifest's MLP gives.
+        StoreMismatchError: the store's kinds do not hold every weight of the MLP.
+        StoreCorruptError: a matrix does not have the shape the manifest's MLP gives.
         OSError: the store's directory is not writable.
     """
     named = {kinds} if isinstance(kinds, str) else set(kinds)
@@ -134,11 +136,11 @@ def add_kinds(store: Store, kinds: Iterable[str], *, progress: bool = True) -> S
         missing = tuple(kind for kind in requested if kind not in store.kinds)
         if not missing:
             return store
-        if "bundle" not in store.kinds:
+        if _source_kinds(store) is None:
             wanted = ",".join(kind for kind in KINDS if kind in store.kinds or kind in missing)
             raise StoreMismatchError(
-                f"The store {path} holds no 'bundle' units (it holds {', '.join(store.kinds)}), so flashlm "
-                f"cannot derive {', '.join(missing)} from it. Convert it again with "
+                f"The store {path} holds only {', '.join(store.kinds)}, which do not hold every weight of "
+                f"the MLP, so flashlm cannot derive {', '.join(missing)} from it. Convert it again with "
                 f"`flashlm convert --kinds {wanted} SRC DST` (or `flashlm.store.convert(src, dst, "
                 f"kinds=[...])`) including every kind you need."
             )
@@ -174,7 +176,7 @@ def _add_kinds(store: Store, missing: tuple[str, ...], progress: bool) -> None:
             unit="layer",
             disable=not progress,
         ):
-            tensors = _bundle_tensors(store, layer)
+            tensors = layer_weights(store, layer)
             for kind, rows in _unit_matrices(tensors, missing):
                 relative = row_file_name(layer, kind)
                 final = path / relative
@@ -203,24 +205,88 @@ def _add_kinds(store: Store, missing: tuple[str, ...], progress: bool) -> None:
         raise
 
 
-def _bundle_tensors(store: Store, layer: int) -> dict[str, torch.Tensor]:
-    """Layer `layer`'s MLP weights (`gate`, `up`, `down` by role, views) split out of its bundle matrix."""
-    row_file = store.row_file(layer, "bundle")
-    with safe_open(row_file.path, framework="pt") as f:
-        bundle = f.get_tensor(ROWS)
-    d_model, d_ff = store.d_model, store.d_ff
-    parts = 3 if store.gated else 2
-    if tuple(bundle.shape) != (d_ff, parts * d_model):
-        raise StoreCorruptError(
-            f"{row_file.path} holds a {list(bundle.shape)} matrix; a bundle of the store's "
-            f"{'gated' if store.gated else 'plain'} MLP (d_model {d_model}, d_ff {d_ff}) is "
-            f"[{d_ff}, {parts * d_model}]. Delete the store and convert again."
+_SOURCE_KIND_SETS = (
+    ("gate_up", "down"),
+    ("up", "down"),
+    ("bundle",),
+    ("dip_in", "dip_down"),
+    ("up", "gate_down"),
+    ("gate", "up_down"),
+)
+"""Sets of kinds that together hold a whole MLP, in the order `layer_weights` prefers them."""
+
+
+def _source_kinds(store: Store) -> tuple[str, ...] | None:
+    """The first set of `_SOURCE_KIND_SETS` the store holds whole, or None."""
+    roles = {"gate", "up", "down"} if store.gated else {"up", "down"}
+    for kinds in _SOURCE_KIND_SETS:
+        if all(kind in store.kinds for kind in kinds):
+            covered = {role for kind in kinds for role in _ROLES[kind]} & roles
+            if covered == roles:
+                return kinds
+    return None
+
+
+_ROLES = {
+    "gate_up": ("gate", "up"),
+    "up": ("up",),
+    "down": ("down",),
+    "bundle": ("gate", "up", "down"),
+    "dip_in": ("up", "gate"),
+    "dip_down": ("down",),
+    "gate": ("gate",),
+    "gate_down": ("gate", "down"),
+    "up_down": ("up", "down"),
+}
+"""The MLP weights each kind's rows hold (a plain MLP's bundle holds only up and down)."""
+
+
+def layer_weights(store: Store, layer: int) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s MLP weights by role (`gate`, `up`: [d_ff, d_model]; `down`: [d_model, d_ff];
+    views, possibly transposed), read back from kinds the store holds: the inverse of `_unit_matrices`.
+
+    Raises `StoreMismatchError` when the store's kinds do not hold the whole MLP, and
+    `StoreCorruptError` when a matrix has another shape than the manifest's MLP gives.
+    """
+    kinds = _source_kinds(store)
+    if kinds is None:
+        raise StoreMismatchError(
+            f"The store {store.path} ({', '.join(store.kinds)}) does not hold a whole MLP."
         )
-    *gate, up, down_t = bundle.split(d_model, dim=1)
-    tensors = {"up": up, "down": down_t.T}
-    if gate:
-        tensors["gate"] = gate[0]
-    return tensors
+    d_model, d_ff = store.d_model, store.d_ff
+    weights: dict[str, torch.Tensor] = {}
+    for kind in kinds:
+        row_file = store.row_file(layer, kind)
+        with safe_open(row_file.path, framework="pt") as f:
+            rows = f.get_tensor(ROWS)
+        if tuple(rows.shape) != (row_file.rows, row_file.width):
+            raise StoreCorruptError(
+                f"{row_file.path} holds a {list(rows.shape)} matrix where the manifest describes "
+                f"[{row_file.rows}, {row_file.width}]. Delete the store and convert again."
+            )
+        weights.update(_split_rows(kind, rows, d_model, d_ff, store.gated))
+    return weights
+
+
+def _split_rows(
+    kind: str, rows: torch.Tensor, d_model: int, d_ff: int, gated: bool
+) -> dict[str, torch.Tensor]:
+    """The MLP weights one kind's `[rows, width]` matrix holds, by role (see `KIND_LAYOUTS`)."""
+    if kind == "bundle":
+        *gate, up, down_t = rows.split(d_model, dim=1)
+        return {"up": up, "down": down_t.T} | ({"gate": gate[0]} if gate else {})
+    if kind == "gate_up":
+        gate, up = rows.split(d_model, dim=1)
+        return {"gate": gate, "up": up}
+    if kind == "dip_in":
+        up_t, gate_t = rows.split(d_ff, dim=1)
+        return {"up": up_t.T, "gate": gate_t.T}
+    if kind in ("gate_down", "up_down"):
+        projection, down_t = rows.split(d_model, dim=1)
+        return {kind.removesuffix("_down"): projection, "down": down_t.T}
+    if kind == "dip_down":
+        return {"down": rows.T}
+    return {kind: rows}  # gate, up, down: the checkpoint's own layout
 
 
 def _ordered_files(files: dict[str, dict], kinds: list[str], num_layers: int) -> dict[str, dict]:
@@ -324,7 +390,11 @@ def _unit_matrices(
     else:
         gate, up = tensors.get("gate"), tensors["up"]
     for kind in kinds:
-        if kind == "bundle":
+        if kind == "gate_up":
+            yield kind, torch.cat([gate, up], dim=1)
+        elif kind == "down":
+            yield kind, down.contiguous()
+        elif kind == "bundle":
             parts = [up, down.T] if gate is None else [gate, up, down.T]
             yield kind, torch.cat(parts, dim=1)
         elif kind == "dip_in":
@@ -394,10 +464,11 @@ def _check_layer_indices(owners: list[str]) -> None:
 
 
 def _resolve_kinds(kinds: Iterable[str] | None, family: str, gated: bool) -> tuple[str, ...]:
-    """The kinds to write, in canonical order (None: `bundle`); ValueError for a kind the MLP cannot have."""
+    """The kinds to write, in canonical order (None: `dense_kinds`); ValueError for a kind the MLP cannot
+    have."""
     valid = kinds_for(gated)
     if kinds is None:
-        return ("bundle",)
+        kinds = dense_kinds(gated)
     requested = {kinds} if isinstance(kinds, str) else set(kinds)
     invalid = sorted(requested - set(valid))
     if invalid or not requested:

@@ -33,30 +33,45 @@ MANIFEST = "manifest.json"
 RESIDENT = "resident.safetensors"
 ROWS = "rows"
 
-KINDS = ("bundle", "dip_in", "dip_down", "gate", "up", "gate_down", "up_down")
-"""Unit kinds, in the order a store lists them. `bundle` suits every MLP; the others need a gated one.
+KINDS = ("gate_up", "up", "down", "bundle", "dip_in", "dip_down", "gate", "gate_down", "up_down")
+"""Unit kinds, in the order a store lists them.
 
-`bundle` serves dense streaming and is what `convert` writes by default; the others are the layouts
-of the sparse methods (DIP: `dip_in`, `dip_down`; up pruning: `up`, `gate_down`; gate pruning and
-CATS: `gate`, `up_down`), derived from the bundle on first use by `add_kinds`.
+Dense streaming reads `gate_up` (or `up` for a plain MLP) and `down`: a unit of `gate_up` is a
+neuron (one row of gate and of up), a unit of `down` one output feature (a row of the down
+projection), so every product is a row subset of the checkpoint's own matrices and `F.linear`
+computes it with the dense model's kernel (what keeps dense streaming exact). `convert` writes these
+by default. The others, derived on first use by `add_kinds` from whatever the store holds: `bundle`
+(row-column bundling, LLM in a flash) and the layouts of the DIP paper's methods (DIP: `dip_in`,
+`dip_down`; up pruning: `up`, `gate_down`; gate pruning and CATS: `gate`, `up_down`).
 """
 
-GATED_ONLY_KINDS = ("dip_in", "dip_down", "gate", "up", "gate_down", "up_down")
+GATED_ONLY_KINDS = ("gate_up", "dip_in", "dip_down", "gate", "gate_down", "up_down")
 
 KIND_LAYOUTS = {
+    ("gate_up", True): "row j = gate[j, :] | up[j, :]",
+    ("up", True): "row j = up[j, :]",
+    ("up", False): "row j = up[j, :]",
+    ("down", True): "row i = down[i, :]",
+    ("down", False): "row i = down[i, :]",
     ("bundle", True): "row j = gate[j, :] | up[j, :] | down[:, j]",
     ("bundle", False): "row j = up[j, :] | down[:, j]",
     ("dip_in", True): "row i = up[:, i] | gate[:, i]",
     ("dip_down", True): "row j = down[:, j]",
     ("gate", True): "row j = gate[j, :]",
-    ("up", True): "row j = up[j, :]",
     ("gate_down", True): "row j = gate[j, :] | down[:, j]",
     ("up_down", True): "row j = up[j, :] | down[:, j]",
 }
 """What one row of each kind holds, for gated (True) and plain (False) MLPs; recorded in the manifest.
 
-`gate`, `up`: [d_ff, d_model]; `down`: [d_model, d_ff]. `dip_in` has d_model rows, every other kind d_ff.
+`gate`, `up`: [d_ff, d_model]; `down`: [d_model, d_ff]. `dip_in` and `down` have d_model rows, every
+other kind d_ff.
 """
+
+
+def dense_kinds(gated: bool) -> tuple[str, str]:
+    """The kinds dense streaming reads: the intermediate projection(s) by neuron, down by output row."""
+    return ("gate_up" if gated else "up", "down")
+
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -272,9 +287,10 @@ class Store(ConvertedFrom):
         """Every layer's matrix of `kind`, by layer."""
         return {layer: self.row_file(layer, kind) for layer in range(self.num_layers)}
 
-    def nbytes(self, kind: str = "bundle") -> int:
-        """Bytes of all layers' matrices of `kind` (what streaming every unit of every layer reads)."""
-        return sum(f.nbytes for f in self.row_files(kind).values())
+    def nbytes(self, kind: str | None = None) -> int:
+        """Bytes of all layers' matrices of `kind`; None: of dense streaming's kinds, i.e. the MLP weights."""
+        kinds = dense_kinds(self.gated) if kind is None else (kind,)
+        return sum(f.nbytes for k in kinds for f in self.row_files(k).values())
 
     def resident(self, layer: int) -> dict[str, torch.Tensor]:
         """Layer `layer`'s always-in-memory tensors (`up_bias`, `down_bias`), or an empty dict."""
