@@ -95,7 +95,9 @@ def test_split_is_feasible_and_spends_the_target(density) -> None:
 def test_calibrate_model_on_the_tiny_llama(make_tiny_checkpoint, tmp_path) -> None:
     path = make_tiny_checkpoint("llama", dtype=torch.float32)
     store = tmp_path / "store"
-    config = flashlm.FlashConfig(method="dip", density=1.0, store=str(store), memory_budget="10MB")
+    config = flashlm.FlashConfig(
+        method="dip", store=str(store), memory_budget="10MB", **flashlm.calibration.CALIBRATION_OPTIONS
+    )
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config).eval()
     ids = torch.randint(3, 128, (512,), generator=torch.Generator().manual_seed(0))
     inputs: dict[int, list[torch.Tensor]] = {}

@@ -30,8 +30,8 @@ def minimum_budget(store_path) -> int:
 def budget_caching(store_path, fraction: float) -> int:
     """A budget whose caches hold about `fraction` of all units (all of them at 1.0)."""
     store = flashlm.Store.open(store_path)
-    slot_bytes = store.row_file(0, "bundle").row_bytes + 8
-    return minimum_budget(store_path) + int(fraction * store.d_ff * store.num_layers * slot_bytes)
+    slots = sum(store.row_file(0, kind).rows for kind in store.kinds) * store.num_layers
+    return minimum_budget(store_path) + int(fraction * (store.nbytes() + 8 * slots))
 
 
 def load_patched(path, store, cached_fraction=0.5, **options):
@@ -54,11 +54,11 @@ def test_density_one_matches_dense(arch, cached_fraction, make_tiny_checkpoint, 
     path = make_tiny_checkpoint(arch, dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(path)
     patched = load_patched(path, tmp_path / "store", cached_fraction)
-    capacities = [module.cache.capacity for module in streaming_mlps(patched)]
+    capacities = [(m.hidden_cache.capacity, m.down_cache.capacity) for m in streaming_mlps(patched)]
     if cached_fraction == 0:
-        assert capacities == [0] * len(capacities)
+        assert capacities == [(0, 0)] * len(capacities)
     if cached_fraction == 1:
-        assert capacities == [module.d_ff for module in streaming_mlps(patched)]
+        assert capacities == [(m.d_ff, m.d_model) for m in streaming_mlps(patched)]
     assert len(streaming_mlps(patched)) == reference.config.get_text_config().num_hidden_layers
     ids = prompt_ids(reference.config.get_text_config().vocab_size)
     with torch.no_grad():
@@ -248,9 +248,9 @@ def test_stats_count_reads_hits_and_stay_in_budget(cached_fraction, make_tiny_ch
     steps = snapshot.per_step()
     assert steps[0]["tokens"] == ids.shape[1] and all(s["tokens"] == 1 for s in steps[1:])
     store = flashlm.Store.open(tmp_path / "store")
-    all_units = store.d_ff * layers
+    all_units = (store.d_ff + store.d_model) * layers  # neurons of gate_up, rows of down
     assert all(s["hits"] + s["misses"] == all_units for s in steps)
-    assert steps[0]["bytes_read"] >= store.nbytes("bundle")  # a cold cache reads everything once
+    assert steps[0]["bytes_read"] >= store.nbytes()  # a cold cache reads everything once
     if cached_fraction == 1:
         assert all(s["bytes_read"] == 0 and s["misses"] == 0 for s in steps[1:])
     else:

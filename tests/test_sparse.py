@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 import flashlm
 from flashlm.calibration import Calibration
 from flashlm.errors import BudgetTooSmallError, ConfigError
-from flashlm.patches import CATSMLP, DIPMLP, SparseMLP, StreamingMLP, method_class, reads_ahead
+from flashlm.patches import CATSMLP, DIPMLP, SparseMLP, StreamingMLP, reads_ahead
 from flashlm.patches.masking import (
     cache_aware_scores,
     threshold_for_density,
@@ -25,9 +25,10 @@ from flashlm.patches.masking import (
     topk_mask,
     union_ids,
 )
-from flashlm.patching import streaming_mlps
+from flashlm.patching import module_class, streaming_mlps
 from flashlm.runtime import FlashRuntime
 from flashlm.store import add_kinds
+from flashlm.store.format import dense_kinds
 
 SPARSE_METHODS = ["dip", "glu", "gate", "up", "cats"]
 
@@ -167,17 +168,19 @@ def load(path, store, cached: float = 0.5, **options) -> torch.nn.Module:
     beyond the working memory (tiny models' working memory dwarfs their weights, so % budgets mislead)."""
     if not Path(store).exists():
         flashlm.convert(path, store, progress=False)
-    cls = method_class(options.get("method", "dense"))
-    kinds = cls.KINDS
-    opened = add_kinds(flashlm.Store.open(store), kinds, progress=False)
     probe = flashlm.FlashConfig(memory_budget=1, **options)
-    assembled = cls.ASSEMBLED_KINDS if probe.density == 1 else ()
-    read_ahead = cls.KINDS[0]
-    if cls is not StreamingMLP:
+    cls = module_class(probe)
+    opened = flashlm.Store.open(store)
+    if cls is StreamingMLP:
+        kinds, read_ahead = None, None
+    else:
+        kinds = cls.KINDS
+        opened = add_kinds(opened, kinds, progress=False)
         calibration = Calibration.load(opened.path, opened.content_sha256)
-        read_ahead = cls.INPUT_KIND if reads_ahead(probe, opened, calibration) else None
+        read_ahead = (cls.INPUT_KIND,) if reads_ahead(probe, opened, calibration) else ()
     with pytest.raises(BudgetTooSmallError) as info:
-        FlashRuntime(opened, probe, kinds, assembled, read_ahead)
+        FlashRuntime(opened, probe, kinds, read_ahead)
+    kinds = kinds or dense_kinds(opened.gated)
     units = sum(opened.row_file(0, k).rows * (opened.row_file(0, k).row_bytes + 8) for k in kinds)
     budget = info.value.minimum_bytes + int(cached * units * opened.num_layers)
     config = flashlm.FlashConfig(store=str(store), memory_budget=budget, **options)
@@ -344,7 +347,6 @@ def test_cache_split_between_kinds(split, tiny_llama) -> None:
             )
     runtime = streaming_mlps(model)[0].runtime
     assert runtime.plan.total_bytes <= runtime.budget_bytes
-    assert runtime.assembly == {}  # unit-order assembly only buys exactness at density 1.0
 
 
 @pytest.mark.parametrize("options", [{"cache_aware": 1.0}, {"cache_aware": 0.2}])
@@ -358,7 +360,7 @@ def test_read_ahead_changes_nothing_but_the_reads(options, tiny_llama) -> None:
     runs = {}
     for read_ahead in (False, True):
         model = load(path, store, method="dip", density=0.6, read_ahead=read_ahead, **options)
-        assert streaming_mlps(model)[0].runtime.read_ahead == ("dip_in" if read_ahead else None)
+        assert streaming_mlps(model)[0].runtime.read_ahead == (("dip_in",) if read_ahead else ())
         with torch.no_grad():
             logits = model(ids).logits
         tokens = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)

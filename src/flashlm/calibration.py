@@ -188,6 +188,11 @@ def _subsample(values: torch.Tensor, limit: int, generator: torch.Generator) -> 
     return flat[torch.randint(flat.numel(), (limit,), generator=generator)]
 
 
+CALIBRATION_OPTIONS = {"density": 0.9, "input_density": 1.0}
+"""A DIP configuration below density 1.0, so the model gets DIP modules (at 1.0 it would be dense
+streaming); `calibrate_model` sets every module's `k_in` and `k_out` itself."""
+
+
 def calibrate_model(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -198,7 +203,8 @@ def calibrate_model(
     split: bool = True,
     progress: bool = True,
 ) -> Calibration:
-    """Calibrate a model patched with `FlashConfig(method="dip")` on `input_ids` and save the result.
+    """Calibrate a model patched with `FlashConfig(method="dip", **CALIBRATION_OPTIONS)` on `input_ids`
+    and save the result.
 
     Magnitudes come from forward pre-hooks on the MLP modules (their input x) and from the store's
     gate rows (`act(gate x)`); the split grid re-runs the perplexity with each (ρ_in, ρ_down).
@@ -209,7 +215,10 @@ def calibrate_model(
 
     modules = [m for m in streaming_mlps(model) if isinstance(m, DIPMLP)]
     if not modules or any(type(m) is not DIPMLP for m in modules):
-        raise ValueError("calibrate_model needs a model patched with FlashConfig(method='dip').")
+        raise ValueError(
+            "calibrate_model needs a model patched with DIP modules: FlashConfig(method='dip', "
+            "**flashlm.calibration.CALIBRATION_OPTIONS)."
+        )
     runtime = modules[0].runtime
     store = runtime.store
     windows = max(1, min(num_tokens, input_ids.numel()) // context_length)
@@ -317,7 +326,7 @@ def calibrate(
     path = Path(model_path) if model_path is not None else default_model_path(progress=progress)
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = corpus_tokens(corpus, tokenizer, split="calibration")
-    config = FlashConfig(method="dip", density=1.0, store=store, memory_budget=memory_budget)
+    config = FlashConfig(method="dip", store=store, memory_budget=memory_budget, **CALIBRATION_OPTIONS)
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
     model.eval()
     return calibrate_model(

@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from ._utils import cache_dir
@@ -24,9 +23,10 @@ from .endor.offload import EndorLinear, EndorStats, endor_linears, replace_linea
 from .endor.store import EndorStore, convert_endor, endor_layout
 from .errors import ConfigError, StoreMismatchError, UnsupportedArchitectureError
 from .patches import FlashMLP, StreamingMLP, build_sparse_mlp, method_class, reads_ahead
-from .runtime import STREAMED_KIND, FlashRuntime
+from .runtime import FlashRuntime
 from .stats import FlashStats
 from .store import ModuleSource, SafetensorsSource, Store, add_kinds, convert, mlp_content_sha256
+from .store.convert import layer_weights
 from .store.format import update_content_hash
 from .trace import Trace
 
@@ -140,9 +140,9 @@ def replace_mlps(model: nn.Module, store: Store, config: FlashConfig) -> FlashRu
     spec = spec_for(model_type_of(model.config))
     owners = find_mlps(model, spec)
     store.check_matches(num_layers=len(owners))
-    cls = method_class(config.method)
+    cls = module_class(config)
     sparse = cls is not StreamingMLP
-    if sparse and not store.gated:
+    if config.method != "dense" and not store.gated:
         raise ConfigError(
             f"method={config.method!r} prunes the projections of a gated (SwiGLU) MLP, but "
             f"{store.model_type}'s MLP is not gated. Use method='dense'."
@@ -151,17 +151,15 @@ def replace_mlps(model: nn.Module, store: Store, config: FlashConfig) -> FlashRu
         raise UnsupportedArchitectureError(
             f"method={config.method!r} does not support MLP biases ({store.model_type} has them)."
         )
-    store = add_kinds(store, cls.KINDS)
+    kinds = cls.KINDS if sparse else StreamingMLP.kinds_for(store.gated)
+    store = add_kinds(store, kinds)
     calibration = Calibration.load(store.path, store.content_sha256) if sparse else None
     with torch.device("cpu"):
-        # Assembling in unit order buys bit-exactness with the dense model, which only density 1.0
-        # promises; below it the copy would cost time and the buffers cache bytes.
-        assembled = cls.ASSEMBLED_KINDS if config.density == 1 else ()
         if sparse:
-            read_ahead = cls.INPUT_KIND if reads_ahead(config, store, calibration) else None
+            read_ahead = (cls.INPUT_KIND,) if reads_ahead(config, store, calibration) else ()
+            runtime = FlashRuntime(store, config, kinds, read_ahead)
         else:
-            read_ahead = cls.KINDS[0]
-        runtime = FlashRuntime(store, config, cls.KINDS, assembled, read_ahead)
+            runtime = FlashRuntime(store, config)
         for layer, owner_name, owner in owners:
             act = getattr(owner, spec.act)
             dense_class = type(owner) if spec.owner else None
@@ -174,7 +172,8 @@ def replace_mlps(model: nn.Module, store: Store, config: FlashConfig) -> FlashRu
                 module = StreamingMLP(
                     layer,
                     runtime,
-                    runtime.make_cache(layer),
+                    runtime.make_cache(layer, kinds[0]),
+                    runtime.make_cache(layer, kinds[1]),
                     act,
                     gated=store.gated,
                     d_model=store.d_model,
@@ -188,6 +187,13 @@ def replace_mlps(model: nn.Module, store: Store, config: FlashConfig) -> FlashRu
             for name in identities:
                 model.set_submodule(name, nn.Identity())
     return runtime
+
+
+def module_class(config: FlashConfig) -> type[FlashMLP]:
+    """The module that computes `config`: its method's, except at density 1.0, where every method keeps
+    every unit and is dense streaming, computed exactly as the dense model (the DIP paper's density-1
+    point; a sparse module would sum its products in another order)."""
+    return StreamingMLP if config.density == 1 else method_class(config.method)
 
 
 def streaming_mlps(model: nn.Module) -> list[FlashMLP]:
@@ -237,26 +243,20 @@ def dense_mlp_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     names = {id(module): name for name, module in model.named_modules()}
     weights: dict[str, torch.Tensor] = {}
     for module in streaming_mlps(model):
-        store = module.runtime.store
-        with safe_open(store.row_file(module.layer, STREAMED_KIND).path, framework="pt") as f:
-            rows = f.get_tensor("rows")
-        d = module.d_model
+        tensors = layer_weights(module.runtime.store, module.layer)
         name = names[id(module)]
         owner_name = name if spec.owner else name.rsplit(".", 1)[0]
         keys = mlp_weight_names(spec, owner_name)
-        if module.gated:
-            gate, up = rows[:, :d], rows[:, d : 2 * d]
-            if "gate_up" in keys:
-                weights[keys["gate_up"]] = torch.cat([gate, up]).contiguous()
-            else:
-                weights[keys["gate"]], weights[keys["up"]] = gate.contiguous(), up.contiguous()
-            weights[keys["down"]] = rows[:, 2 * d :].T.contiguous()
+        if "gate_up" in keys:
+            weights[keys["gate_up"]] = torch.cat([tensors["gate"], tensors["up"]]).contiguous()
         else:
-            weights[keys["up"]] = rows[:, :d].contiguous()
-            weights[keys["down"]] = rows[:, d:].T.contiguous()
-            if module.up_bias is not None:
-                weights[keys["up_bias"]] = module.up_bias.detach().clone()
-                weights[keys["down_bias"]] = module.down_bias.detach().clone()
+            weights[keys["up"]] = tensors["up"].contiguous()
+            if "gate" in keys:
+                weights[keys["gate"]] = tensors["gate"].contiguous()
+        weights[keys["down"]] = tensors["down"].contiguous()
+        if getattr(module, "up_bias", None) is not None:
+            weights[keys["up_bias"]] = module.up_bias.detach().clone()
+            weights[keys["down_bias"]] = module.down_bias.detach().clone()
     return weights
 
 

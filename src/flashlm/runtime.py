@@ -1,6 +1,6 @@
 """`FlashRuntime`: what the streaming MLPs of one model share — the store, its reader, the staging
-buffers that receive a layer's missed units, the down-projection workspace, the budget plan, the
-layer-ahead prefetcher, the cache clock, the stats recorder and the optional trace recorder."""
+buffers that receive a layer's missed units, the budget plan, the layer-ahead prefetcher, the cache
+clock, the stats recorder and the optional trace recorder."""
 
 from __future__ import annotations
 
@@ -14,54 +14,65 @@ from .cache import BudgetPlan, NeuronCache, make_policy, split_budget
 from .config import FlashConfig
 from .stats import FlashStats, StatsRecorder
 from .store import ALIGNMENT, Store, StoreReader
+from .store.format import dense_kinds
 from .trace import TraceRecorder
 
-STREAMED_KIND = "bundle"
 READER_BUFFER_CAP = 16 * 2**20
 """Largest reader I/O buffer: bigger reads are served in batches of this size."""
 
 
 @dataclass(frozen=True)
 class Fetch:
-    """One layer's missed units, read into a staging buffer: rows[k] is unit ids[k]."""
+    """One kind's missed units of a layer, read into a staging buffer: `rows[k]` is unit `ids[k]`.
 
-    layer: int
+    `rows` is `buffer[start : start + len(ids)]`: a read of the units `start, start+1, ...` (every
+    unit a prefix-filled cache lacks) lands at their own positions, so the buffer's first rows can
+    take the cached ones and hold the layer's whole matrix in unit order.
+    """
+
     ids: torch.Tensor
     rows: torch.Tensor
-    buffer: int
+    buffer: torch.Tensor
+    start: int
     bytes_read: int
     reads: int
     busy_s: float
 
 
+LayerFetch = dict[str, Fetch]
+"""A layer's fetches, by kind."""
+
+
 class FlashRuntime:
     """Owns the reader and the shared buffers; builds each layer's cache from one memory budget.
 
-    `kinds` are the unit kinds the model's method reads: `("bundle",)` for dense streaming, two
-    kinds (one per stage) for the sparse methods. Each (layer, kind) gets a cache.
+    `kinds` are the unit kinds the model's method reads (default: dense streaming's, `dense_kinds`,
+    both read ahead; a sparse method names one per stage). Each (layer, kind) gets a cache.
 
     The budget covers everything flashlm allocates for streaming: the staging buffers (one layer's
-    missed units each: two for the kind read a layer ahead, so the next layer's reads land while
-    this layer computes; one for any other kind), the down-projection workspace, the reader's I/O
-    buffer, and every cache's slots and indices.
+    units of a kind each: two for the kinds read a layer ahead, so the next layer's reads land while
+    this layer computes; one for any other kind), the reader's I/O buffer, and every cache's slots
+    and indices.
 
     Reads run on one background thread (which fans out over the reader's pool), one at a time, so
-    counters measured around a read belong to it alone. For the `read_ahead` kind (dense
-    streaming's bundles; a sparse method's first stage), once a layer has its rows the read of the
-    next layer's uncached units starts, overlapping this layer's compute and the next layer's
-    attention; it is valid because a layer's cache changes only in that layer's forward.
+    counters measured around a read belong to it alone. For the `read_ahead` kinds (dense
+    streaming's both; a sparse method's first stage), once a layer has its rows the read of the next
+    layer's uncached units starts, overlapping this layer's compute and the next layer's attention;
+    it is valid because a layer's cache changes only in that layer's forward.
     """
 
     def __init__(
         self,
         store: Store,
         config: FlashConfig,
-        kinds: tuple[str, ...] = (STREAMED_KIND,),
-        assembled_kinds: tuple[str, ...] = (),
-        read_ahead: str | None = STREAMED_KIND,
+        kinds: tuple[str, ...] | None = None,
+        read_ahead: tuple[str, ...] | None = None,
     ) -> None:
         self.store = store
         self.config = config
+        dense = kinds is None
+        kinds = dense_kinds(store.gated) if dense else kinds
+        read_ahead = (kinds if dense else ()) if read_ahead is None else read_ahead
         self.kinds = kinds
         row_files = {
             (layer, kind): store.row_file(layer, kind) for layer in range(store.num_layers) for kind in kinds
@@ -78,32 +89,23 @@ class FlashRuntime:
         self.d_model = store.d_model
         self.layer_mlp_bytes = (3 if store.gated else 2) * store.d_model * store.d_ff * store.dtype.itemsize
         """Bytes of one layer's dense MLP weights: what a token uses at density 1."""
-        dense = kinds == (STREAMED_KIND,)
         self.read_ahead = read_ahead
-        """The kind whose next layer is read while this layer computes, into the other of two buffers."""
+        """The kinds whose next layer is read while this layer computes, into the other of two buffers."""
         self.staging = {
             kind: [
                 torch.empty(store.row_file(0, kind).rows, store.row_file(0, kind).width, dtype=store.dtype)
-                for _ in range(2 if kind == read_ahead else 1)
+                for _ in range(2 if kind in read_ahead else 1)
             ]
             for kind in kinds
         }
         staging_bytes = sum(b.numel() * b.element_size() for bufs in self.staging.values() for b in bufs)
-        workspace_bytes = store.d_ff * store.d_model * store.dtype.itemsize if dense else 0
-        # Where a step that needs every unit of a kind assembles them in unit order (one matmul, one
-        # rounding: what makes density 1.0 reproduce the dense model in bf16).
-        self.assembly = {
-            kind: torch.empty(store.row_file(0, kind).rows, store.row_file(0, kind).width, dtype=store.dtype)
-            for kind in assembled_kinds
-        }
-        workspace_bytes += sum(b.numel() * b.element_size() for b in self.assembly.values())
         self.budget_bytes = config.budget.resolve(self.num_layers * self.layer_mlp_bytes)
         self._cache_keys = list(row_files)
         self.plan: BudgetPlan = split_budget(
             self.budget_bytes,
             unit_bytes=[row_files[key].row_bytes for key in self._cache_keys],
             num_units=[row_files[key].rows for key in self._cache_keys],
-            overhead_bytes=staging_bytes + workspace_bytes + self.reader.buffer_bytes,
+            overhead_bytes=staging_bytes + self.reader.buffer_bytes,
             policy=self._policy_name,
             cache_units=config.policy != "none",
             read_cost=(
@@ -112,16 +114,13 @@ class FlashRuntime:
                 else None
             ),
         )
-        self._workspaces: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-        if dense:
-            self.down_workspace(torch.device("cpu"), store.dtype)
         self.caches: dict[tuple[int, str], NeuronCache] = {}
         self.unit_ids = torch.arange(max(f.rows for f in row_files.values()))
         """0, 1, 2, ...: sliced for 'every unit of a layer' instead of allocating a range per step."""
         self._io = ThreadPoolExecutor(1, thread_name_prefix="flashlm-prefetch")
-        self._pending: Future[Fetch] | None = None
-        self._pending_for: tuple[int, str, int] | None = None
-        """(layer, kind, buffer) of the read `_pending` is doing."""
+        self._pending: Future[LayerFetch] | None = None
+        self._pending_for: tuple[int, int] | None = None
+        """(layer, buffer) of the read `_pending` is doing."""
         self.stats = StatsRecorder()
         self.trace = TraceRecorder() if config.record_trace else None
         self.clock = 0
@@ -135,7 +134,7 @@ class FlashRuntime:
         self.step_start = start
         return start
 
-    def make_cache(self, layer: int, kind: str = STREAMED_KIND) -> NeuronCache:
+    def make_cache(self, layer: int, kind: str) -> NeuronCache:
         """Layer `layer`'s cache of `kind` units, with the capacity the budget plan gives it (on the CPU)."""
         num_units = self.store.row_file(layer, kind).rows
         policy = make_policy(self._policy_name, num_units, **self._policy_options())
@@ -158,62 +157,71 @@ class FlashRuntime:
     def _policy_options(self) -> dict:
         return {"window": self.config.window} if self.config.policy == "window" else {}
 
-    def down_workspace(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """`[units, d_model]` matrix where a layer's down-projection rows are assembled in unit order.
-
-        One per (device, dtype) the model computes in, allocated on first use and then reused.
-        """
-        key = (torch.device(device), dtype)
-        if key not in self._workspaces:
-            self._workspaces[key] = torch.empty(self.store.d_ff, self.d_model, dtype=dtype, device=device)
-        return self._workspaces[key]
-
-    def read(self, layer: int, kind: str, ids: torch.Tensor, buffer: int = 0) -> Fetch:
-        """Read units `ids` of `layer`'s `kind` matrix now, into that kind's staging buffer `buffer`."""
-        rows = self.staging[kind][buffer][: ids.numel()]
+    def read(self, layer: int, kind: str, ids: torch.Tensor, buffer: int = 0, start: int = 0) -> Fetch:
+        """Read units `ids` of `layer`'s `kind` matrix now, into that kind's staging buffer `buffer`
+        from row `start` on."""
+        staging = self.staging[kind][buffer]
+        rows = staging[start : start + ids.numel()]
         bytes_before, reads_before = self.reader.bytes_read, self.reader.reads_issued
         started = perf_counter()
         if ids.numel():
             self.reader.read((layer, kind), ids, rows)
         return Fetch(
-            layer,
             ids,
             rows,
-            buffer,
+            staging,
+            start,
             self.reader.bytes_read - bytes_before,
             self.reader.reads_issued - reads_before,
             perf_counter() - started,
         )
 
-    def uncached(self, layer: int, kind: str) -> torch.Tensor:
-        """Ids of `layer`'s `kind` units not in its cache, ascending."""
+    def uncached(self, layer: int, kind: str) -> tuple[torch.Tensor, int]:
+        """Ids of `layer`'s `kind` units not in its cache, ascending, and the staging row they go to:
+        their own position when the cache holds a prefix of the units in order (the misses are then
+        the rest, so they complete the matrix), else 0."""
         cache = self.caches[(layer, kind)]
+        if cache.holds_unit_prefix:
+            return self.unit_ids[cache.size : cache.num_units], cache.size
         ids = self.unit_ids[: cache.num_units]
-        return ids[cache.slot_of[ids] < 0]
+        return ids[cache.slot_of[ids] < 0], 0
 
-    def read_uncached(self, layer: int, kind: str) -> Future[Fetch]:
-        """Every unit of `layer`'s `kind` not in its cache (the `read_ahead` kind): the read started a
-        layer ahead when there is one, else one started now. Then the next layer's read starts, in
-        the other staging buffer."""
+    def read_layer(self, layer: int) -> Future[LayerFetch]:
+        """Every uncached unit of `layer`'s `read_ahead` kinds: the read started a layer ahead when there
+        is one, else one started now. Then the next layer's read starts, in the other staging buffers."""
         pending, key, self._pending = self._pending, self._pending_for, None
-        if pending is not None and key[:2] == (layer, kind):
-            buffer = key[2]
+        if pending is not None and key[0] == layer:
+            buffer = key[1]
         else:
             if pending is not None:
                 pending.result()
             buffer = 0
-            pending = self.submit(layer, kind, self.uncached(layer, kind), buffer)
+            pending = self._submit_layer(layer, buffer)
         following = (layer + 1) % self.num_layers
-        self._pending = self.submit(following, kind, self.uncached(following, kind), 1 - buffer)
-        self._pending_for = (following, kind, 1 - buffer)
+        self._pending = self._submit_layer(following, 1 - buffer)
+        self._pending_for = (following, 1 - buffer)
         return pending
 
-    def submit(self, layer: int, kind: str, ids: torch.Tensor, buffer: int = 0) -> Future[Fetch]:
-        """`read` on the I/O thread, or, with nothing to read, a finished one without the thread hop."""
+    def _submit_layer(self, layer: int, buffer: int) -> Future[LayerFetch]:
+        plan = {kind: self.uncached(layer, kind) for kind in self.read_ahead}
+        if not any(ids.numel() for ids, _ in plan.values()):
+            done: Future[LayerFetch] = Future()
+            done.set_result(
+                {kind: self.read(layer, kind, ids, buffer, start) for kind, (ids, start) in plan.items()}
+            )
+            return done
+        return self._io.submit(self._read_kinds, layer, plan, buffer)
+
+    def _read_kinds(self, layer: int, plan: dict[str, tuple[torch.Tensor, int]], buffer: int) -> LayerFetch:
+        return {kind: self.read(layer, kind, ids, buffer, start) for kind, (ids, start) in plan.items()}
+
+    def submit(self, layer: int, kind: str, ids: torch.Tensor) -> Future[Fetch]:
+        """`read` on the I/O thread (staging buffer 0), or, with nothing to read, a finished one without
+        the thread hop."""
         if ids.numel():
-            return self._io.submit(self.read, layer, kind, ids, buffer)
+            return self._io.submit(self.read, layer, kind, ids)
         done: Future[Fetch] = Future()
-        done.set_result(self.read(layer, kind, ids, buffer))
+        done.set_result(self.read(layer, kind, ids))
         return done
 
     def drain(self) -> None:
@@ -223,17 +231,13 @@ class FlashRuntime:
             pending.result()
 
     def resident_bytes(self) -> int:
-        """Bytes really allocated: caches (slots, indices, policy), staging, workspaces, reader buffer."""
+        """Bytes really allocated: caches (slots, indices, policy), staging, reader buffer."""
         cache_bytes = sum(
             cache.nbytes + sum(b.numel() * b.element_size() for b in cache.policy.buffers())
             for cache in self.caches.values()
         )
-        buffers = [
-            *(b for bufs in self.staging.values() for b in bufs),
-            *self._workspaces.values(),
-            *self.assembly.values(),
-        ]
-        return cache_bytes + sum(b.numel() * b.element_size() for b in buffers) + self.reader.buffer_bytes
+        staging = sum(b.numel() * b.element_size() for bufs in self.staging.values() for b in bufs)
+        return cache_bytes + staging + self.reader.buffer_bytes
 
     def snapshot(self) -> FlashStats:
         mode = (

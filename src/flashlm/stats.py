@@ -18,9 +18,15 @@ COUNTER_FIELDS = ("tokens", "bytes_read", "reads", "hits", "misses", "evictions"
 """`used_bytes` are the MLP weight bytes the step's tokens used (each token counted apart, everything
 a method must read included); `dense_bytes` what the dense MLP would use for the same tokens. Their
 ratio is the achieved MLP density."""
-TIME_FIELDS = ("io_s", "io_busy_s", "cache_s", "compute_s")
-"""`io_s` is the time a layer waited for its reads (what I/O adds to latency); `io_busy_s` how long
-those reads took on the background reader, mostly overlapped with the previous layer's work."""
+TIME_FIELDS = ("select_s", "lookup_s", "submit_s", "io_s", "io_busy_s", "update_s", "compute_s")
+"""Where a layer's time went, each span counted once: `select_s` choosing the units (the method's
+masks), `lookup_s` finding the misses, `submit_s` handing reads to the reader, `io_s` waiting for
+reads (what I/O adds to latency), `update_s` admission and eviction, `compute_s` the products.
+`io_busy_s` is how long those reads took on the background reader, mostly overlapped with earlier
+work (not part of the layer's time)."""
+CACHE_FIELDS = ("lookup_s", "submit_s", "update_s")
+"""The cache's bookkeeping (LLM in a flash Table 3's "memory management"): summed as `cache_s`."""
+DERIVED_FIELDS = ("cache_s",)
 FIELDS = ("step", "layer", *COUNTER_FIELDS, *TIME_FIELDS)
 
 
@@ -35,7 +41,8 @@ class StatsRecorder:
         self.step += 1
 
     def record(self, layer: int, **values: float) -> None:
-        self.rows.append((self.step, layer, *(values[name] for name in FIELDS[2:])))
+        """One (step, layer) row: every counter and time of `FIELDS` by name (times default to 0)."""
+        self.rows.append((self.step, layer, *(values.get(name, 0.0) for name in FIELDS[2:])))
 
     def reset(self) -> None:
         self.rows.clear()
@@ -79,6 +86,7 @@ class FlashStats:
             entry = {"step": int(step)}
             for name in COUNTER_FIELDS[1:] + TIME_FIELDS:
                 entry[name] = float(rows[:, self._columns[name]].sum())
+            entry["cache_s"] = sum(entry[name] for name in CACHE_FIELDS)
             entry["tokens"] = float(rows[0, self._columns["tokens"]])
             out.append(entry)
         return out
@@ -86,16 +94,14 @@ class FlashStats:
     def per_layer(self) -> list[dict[str, float]]:
         """Counters and times summed over steps, one dict per layer."""
         layers = self.column("layer").astype(int)
-        return [
-            {
-                "layer": int(layer),
-                **{
-                    name: float(self.table[layers == layer, self._columns[name]].sum())
-                    for name in COUNTER_FIELDS[1:] + TIME_FIELDS
-                },
-            }
-            for layer in np.unique(layers)
-        ]
+        out = []
+        for layer in np.unique(layers):
+            entry: dict[str, float] = {"layer": int(layer)}
+            for name in COUNTER_FIELDS[1:] + TIME_FIELDS:
+                entry[name] = float(self.table[layers == layer, self._columns[name]].sum())
+            entry["cache_s"] = sum(entry[name] for name in CACHE_FIELDS)
+            out.append(entry)
+        return out
 
     def totals(self, *, decode_only: bool = False) -> dict[str, float]:
         """Sums over steps and layers, with per-step means and the hit rate.
@@ -108,7 +114,7 @@ class FlashStats:
             first_tokens = steps[-1]["tokens"]
             steps = [s for s in steps if s["tokens"] == first_tokens and s["step"] != steps[0]["step"]]
         total: dict[str, Any] = {
-            name: sum(s[name] for s in steps) for name in COUNTER_FIELDS[1:] + TIME_FIELDS
+            name: sum(s[name] for s in steps) for name in COUNTER_FIELDS[1:] + TIME_FIELDS + DERIVED_FIELDS
         }
         total["steps"] = len(steps)
         lookups = total["hits"] + total["misses"]
@@ -116,7 +122,7 @@ class FlashStats:
         total["density"] = (
             total["used_bytes"] / total["dense_bytes"] if total["dense_bytes"] else float("nan")
         )
-        for name in ("bytes_read", "reads", *TIME_FIELDS):
+        for name in ("bytes_read", "reads", *TIME_FIELDS, *DERIVED_FIELDS):
             total[f"{name}_per_step"] = total[name] / len(steps) if steps else float("nan")
         return total
 
@@ -140,13 +146,15 @@ class FlashStats:
         t = self.totals(decode_only=True)
         if not t["steps"]:
             t = self.totals()
-        ms = {name: 1e3 * t[f"{name}_per_step"] for name in TIME_FIELDS}
+        ms = {name: 1e3 * t[f"{name}_per_step"] for name in TIME_FIELDS + DERIVED_FIELDS}
         return (
             f"{t['steps']} steps | MLP density {t['density']:.1%} | per step: "
             f"{format_bytes(t['bytes_read_per_step'])} read in "
             f"{t['reads_per_step']:.0f} reads, hit rate {t['hit_rate']:.1%} | "
-            f"I/O wait {ms['io_s']:.1f} ms (reads took {ms['io_busy_s']:.1f} ms, overlapped), "
-            f"cache {ms['cache_s']:.1f} ms, compute {ms['compute_s']:.1f} ms | "
+            f"select {ms['select_s']:.1f} ms, "
+            f"cache {ms['cache_s']:.1f} ms (lookup {ms['lookup_s']:.1f}, submit {ms['submit_s']:.1f}, "
+            f"update {ms['update_s']:.1f}), I/O wait {ms['io_s']:.1f} ms (reads took {ms['io_busy_s']:.1f} "
+            f"ms, overlapped), compute {ms['compute_s']:.1f} ms | "
             f"reads {self.io_mode} | resident {format_bytes(self.resident_bytes)} "
             f"of {format_bytes(self.budget_bytes)} budget"
         )

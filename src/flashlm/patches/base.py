@@ -59,8 +59,6 @@ class FlashMLP(nn.Module):
 
     method: ClassVar[str]
     KINDS: ClassVar[tuple[str, ...]]
-    ASSEMBLED_KINDS: ClassVar[tuple[str, ...]] = ()
-    """Kinds whose units a step may assemble in unit order (`FlashRuntime.assembly`), at density 1.0."""
 
     def __init__(
         self,

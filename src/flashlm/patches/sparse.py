@@ -19,9 +19,17 @@ close calls.
 
 A forward of T tokens computes every token with its own masks, as T decode steps would; the
 reads cover the union of what the tokens need (prefill therefore reads about everything, like
-dense). Masks that depend on the cache see it as it was when the forward began, unless
-`sequential_prefill` asks for the exact token-by-token evolution (the perplexity harness does):
-then each stage reads its whole matrix once and replays the cache token by token.
+dense), and each stage is one product over that union with per-token coefficients. Masks that
+depend on the cache see it as it was when the forward began, unless `sequential_prefill` asks for
+the exact token-by-token evolution (the perplexity harness does): then each stage reads its whole
+matrix once and replays the cache token by token.
+
+Products run on the rows where they lie (cache slots, staging buffers), never on a copy: a row unit
+(`up`, `gate`, the first half of a `gate_down` row) is a row of the checkpoint's matrix, computed by
+`F.linear` as the dense model computes it; a column unit (a `dip_in` or `dip_down` row, the down
+half of a bundle) is summed over by `flashlm.ops.ColumnProduct`, whose implementation is measured
+on the machine at load. At density 1.0 no sparse module is built: every method is then dense
+streaming (`flashlm.patching.module_class`).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from torch import nn
 
 from ..cache import NeuronCache
 from ..calibration import CalibrationMissingError
+from ..ops import ColumnProduct
 from ..store.reader import DEFAULT_MERGE_GAP_BYTES
 from .base import FlashMLP, register_method
 from .masking import cache_aware_scores, threshold_mask, topk_mask, union_ids
@@ -47,7 +56,7 @@ from .masking import cache_aware_scores, threshold_mask, topk_mask, union_ids
 if TYPE_CHECKING:
     from ..calibration import Calibration
     from ..config import FlashConfig
-    from ..runtime import Fetch, FlashRuntime
+    from ..runtime import Fetch, FlashRuntime, LayerFetch
     from ..store import Store
 
 logger = logging.getLogger(__name__)
@@ -58,8 +67,11 @@ Parts = Iterable[tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass
 class _StageTimes:
-    cache_s: float = 0.0
+    select_s: float = 0.0
+    lookup_s: float = 0.0
+    submit_s: float = 0.0
     io_s: float = 0.0
+    update_s: float = 0.0
     compute_s: float = 0.0
     io_busy_s: float = 0.0
     bytes_read: int = 0
@@ -68,14 +80,24 @@ class _StageTimes:
 
 class _Parts:
     """A stage's rows: the cached ones at once, then the misses once their read (in flight) lands
-    (for the kind read ahead: every uncached unit, a superset the coefficients mask).
+    (for a kind read ahead: every uncached unit, a superset the coefficients mask).
 
-    Computing over the cached rows first overlaps that work with the read.
+    Iterating computes over the cached rows first, overlapping that work with the read; the wait for
+    the read is timed once, as I/O, and left out of the compute time.
     """
 
-    def __init__(self, cached_rows, cached_ids, pending: Future[Fetch], miss_ids, times: _StageTimes) -> None:
+    def __init__(
+        self,
+        cached_rows: torch.Tensor,
+        cached_ids: torch.Tensor,
+        pending: Future,
+        kind: str,
+        miss_ids: torch.Tensor,
+        times: _StageTimes,
+    ) -> None:
         self.cached = (cached_rows, cached_ids)
         self.pending = pending
+        self.kind = kind
         self.miss_ids = miss_ids
         self.times = times
         self._fetched: Fetch | None = None
@@ -84,21 +106,13 @@ class _Parts:
     def fetched(self) -> Fetch:
         if self._fetched is None:
             waiting = perf_counter()
-            self._fetched = self.pending.result()
+            result = self.pending.result()
+            self._fetched = result[self.kind] if isinstance(result, dict) else result
             self.times.io_s += perf_counter() - waiting
             self.times.io_busy_s += self._fetched.busy_s
             self.times.bytes_read += self._fetched.bytes_read
             self.times.reads += self._fetched.reads
         return self._fetched
-
-    @property
-    def unit_count(self) -> int:
-        return self.cached[1].numel() + self.miss_ids.numel()
-
-    @property
-    def in_order(self) -> bool:
-        """One part whose units are all in ascending order (nothing to assemble)."""
-        return not self.cached[1].numel() and _ascending(self.miss_ids)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.cached[1].numel():
@@ -107,24 +121,8 @@ class _Parts:
             yield self.fetched.rows, self.fetched.ids  # the misses, or every uncached unit read ahead
 
 
-class _ResolvedParts(list):
-    """Parts already read (the sequential stage's whole matrix)."""
-
-    @property
-    def unit_count(self) -> int:
-        return sum(ids.numel() for _, ids in self)
-
-    @property
-    def in_order(self) -> bool:
-        return len(self) == 1 and _ascending(self[0][1])
-
-
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-def _ascending(ids: torch.Tensor) -> bool:
-    return bool((ids[1:] > ids[:-1]).all())
 
 
 class SparseMLP(FlashMLP):
@@ -136,6 +134,12 @@ class SparseMLP(FlashMLP):
 
     INPUT_KIND: str
     OUTPUT_KIND: str
+
+    @staticmethod
+    def column_widths(d_model: int, d_ff: int) -> tuple[int, ...]:
+        """Widths of the column products the method computes (the sum over units of `coef * row`):
+        the down half of a bundle."""
+        return (d_model,)
 
     def __init__(
         self,
@@ -158,6 +162,11 @@ class SparseMLP(FlashMLP):
             kind: runtime.store.row_file(layer, kind).row_bytes
             for kind in (self.INPUT_KIND, self.OUTPUT_KIND)
         }
+        self.column_products = {
+            width: ColumnProduct.measure(runtime.store.dtype, width)
+            for width in self.column_widths(d_model, d_ff)
+        }
+        """The measured implementation of each width of column product this method computes."""
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -206,17 +215,13 @@ class SparseMLP(FlashMLP):
         in_mask, in_parts, finish_in = self._stage(
             self.INPUT_KIND, self.input_cache, self.select_input, x, times, sequential
         )
-        started, io_before = perf_counter(), times.io_s
-        a = self.compute_input(x, in_mask, in_parts)
-        times.compute_s += perf_counter() - started - (times.io_s - io_before)
+        a = self._timed(times, lambda: self.compute_input(x, in_mask, in_parts))
         finish_in()
 
         out_mask, out_parts, finish_out = self._stage(
             self.OUTPUT_KIND, self.output_cache, self.select_output, a, times, sequential
         )
-        started, io_before = perf_counter(), times.io_s
-        out = self.compute_output(x, a, out_mask, out_parts)
-        times.compute_s += perf_counter() - started - (times.io_s - io_before)
+        out = self._timed(times, lambda: self.compute_output(x, a, out_mask, out_parts))
         finish_out()
 
         hits, misses, evictions = (now - then for now, then in zip(self.counters(), before, strict=True))
@@ -237,12 +242,23 @@ class SparseMLP(FlashMLP):
             evictions=evictions,
             used_bytes=used,
             dense_bytes=tokens * runtime.layer_mlp_bytes,
+            select_s=times.select_s,
+            lookup_s=times.lookup_s,
+            submit_s=times.submit_s,
             io_s=times.io_s,
             io_busy_s=times.io_busy_s,
-            cache_s=times.cache_s,
+            update_s=times.update_s,
             compute_s=times.compute_s,
         )
         return out.reshape(hidden_states.shape)
+
+    @staticmethod
+    def _timed(times: _StageTimes, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`compute()`, its time added to `compute_s` less the read wait inside it (counted as I/O)."""
+        started, io_before = perf_counter(), times.io_s
+        result = compute()
+        times.compute_s += perf_counter() - started - (times.io_s - io_before)
+        return result
 
     def _stage(
         self, kind, cache: NeuronCache, select, values: torch.Tensor, times: _StageTimes, sequential: bool
@@ -258,22 +274,27 @@ class SparseMLP(FlashMLP):
         started = perf_counter()
         mask = select(values, cache.slot_of >= 0)
         ids = runtime.unit_ids[: cache.num_units] if mask is None else union_ids(mask)
-        _, _, miss_ids = cache.lookup(ids)
-        if kind == runtime.read_ahead:
+        selected = perf_counter()
+        miss_ids = cache.find_misses(ids)
+        looked_up = perf_counter()
+        if kind in runtime.read_ahead:
             # Every uncached unit, needed or not: the unneeded ones get zero coefficients.
-            pending = runtime.read_uncached(layer, kind)
+            pending: Future[LayerFetch] | Future[Fetch] = runtime.read_layer(layer)
         else:
             pending = runtime.submit(layer, kind, miss_ids)
-        times.cache_s += perf_counter() - started
-        parts = _Parts(cache.rows[: cache.size], cache.slot_ids[: cache.size], pending, miss_ids, times)
+        submitted = perf_counter()
+        times.select_s += selected - started
+        times.lookup_s += looked_up - selected
+        times.submit_s += submitted - looked_up
+        parts = _Parts(cache.rows[: cache.size], cache.slot_ids[: cache.size], pending, kind, miss_ids, times)
 
         def finish() -> None:
-            updating = perf_counter()
             fetched = parts.fetched
+            updating = perf_counter()
             cache.update(ids, miss_ids, fetched.rows, runtime.step_start, row_ids=fetched.ids)
             if runtime.trace is not None:
                 runtime.trace.record(runtime.step_start, layer, kind, ids)
-            times.cache_s += perf_counter() - updating
+            times.update_s += perf_counter() - updating
 
         return mask, parts, finish
 
@@ -300,11 +321,11 @@ class SparseMLP(FlashMLP):
             else:
                 token_mask = every if mask is None else mask[t]
             ids = token_mask.nonzero().squeeze(1)
-            _, _, miss_ids = cache.lookup(ids)
+            miss_ids = cache.find_misses(ids)
             cache.update(ids, miss_ids, fetched.rows[miss_ids], runtime.step_start + t)
             if runtime.trace is not None:
                 runtime.trace.record(runtime.step_start + t, layer, kind, ids)
-        times.cache_s += perf_counter() - read_done
+        times.update_s += perf_counter() - read_done
         if depends:
             mask = torch.stack(token_masks)
         return mask, [(fetched.rows, all_ids)], lambda: None
@@ -314,46 +335,43 @@ class SparseMLP(FlashMLP):
 
     # ---- shared arithmetic --------------------------------------------------------------------
 
-    def _columns(self, coef: torch.Tensor, parts: Parts, kind: str) -> torch.Tensor:
-        """`coef @ W` where unit i is row i of W (an input column of the projection).
-
-        Summed over the parts; but when the parts hold every unit (density 1.0, or the GLU oracle's
-        first stage), W is first assembled in unit order, so the product is one matmul with one
-        rounding, as in the dense model.
-        """
-        parts = parts if isinstance(parts, _Parts) else _ResolvedParts(parts)
-        assembly = self.runtime.assembly.get(kind)
-        if assembly is not None and parts.unit_count == assembly.shape[0] and not parts.in_order:
-            for rows, ids in parts:
-                assembly.index_copy_(0, ids, rows)
-            weight = assembly.to(coef.dtype)
-            # The dense model's kernels: a vector-matrix product for one token; for many, a matmul
-            # against the projection in its checkpoint layout, where the kernel is layout-sensitive.
-            return coef @ weight if coef.shape[0] == 1 else F.linear(coef, weight.T.contiguous())
-        out = None
+    def _columns(self, coef: torch.Tensor, parts: Parts, columns: slice = slice(None)) -> torch.Tensor:
+        """`coef @ W` where unit i is row i of W (`columns` of each row): an input column of the
+        projection, summed over the kept units in fp32 (zero coefficients cost nothing)."""
+        width = len(range(*columns.indices(self._row_width(parts))))
+        product = self.column_products[width]
+        coef = coef.float()
+        out = coef.new_zeros(coef.shape[0], width)
         for rows, ids in parts:
-            term = coef[:, ids] @ rows.to(coef.dtype)
-            out = term if out is None else out + term
+            product(out, coef[:, ids], rows[:, columns])
         return out
+
+    @staticmethod
+    def _row_width(parts: Parts) -> int:
+        if isinstance(parts, _Parts):
+            return parts.cached[0].shape[1]
+        return next(iter(parts))[0].shape[1]
 
     def _bundled(
         self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts, other_act: Callable
     ) -> torch.Tensor:
         """Stage 2 over bundles (row j of the other projection | down column j): the sum over kept j
         of `a_j * other_act(row_j · x) * down_j`."""
-        out = x.new_zeros(x.shape[0], self.d_model)
+        d = self.d_model
+        product = self.column_products[d]
+        out = x.new_zeros(x.shape[0], d, dtype=torch.float32)
         for rows, ids in parts:
-            rows = rows.to(x.dtype)
-            other = F.linear(x, rows[:, : self.d_model])
-            out += (a[:, ids] * other_act(other) * mask[:, ids]) @ rows[:, self.d_model :]
-        return out
+            other = F.linear(x, rows[:, :d])
+            coef = (a[:, ids] * other_act(other) * mask[:, ids]).float()
+            product(out, coef, rows[:, d:])
+        return out.to(x.dtype)
 
     @staticmethod
     def _rows(x: torch.Tensor, parts: Parts, num_units: int) -> torch.Tensor:
         """`x @ W.T` where unit j is row j of W (an output row of the projection): placed by unit id."""
         out = x.new_empty(x.shape[0], num_units)
         for rows, ids in parts:
-            out[:, ids] = F.linear(x, rows.to(x.dtype))
+            out[:, ids] = F.linear(x, rows)
         return out
 
 
@@ -371,7 +389,10 @@ class DIPMLP(SparseMLP):
 
     INPUT_KIND = "dip_in"
     OUTPUT_KIND = "dip_down"
-    ASSEMBLED_KINDS = ("dip_in", "dip_down")
+
+    @staticmethod
+    def column_widths(d_model: int, d_ff: int) -> tuple[int, ...]:
+        return (2 * d_ff, d_model)  # a dip_in row (up and gate columns), a down column
 
     def __init__(self, *args, k_in: int, input_threshold: float | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -388,9 +409,8 @@ class DIPMLP(SparseMLP):
         return topk_mask(cache_aware_scores(x, resident, self.gamma), self.k_in)
 
     def compute_input(self, x: torch.Tensor, mask: torch.Tensor | None, parts: Parts) -> torch.Tensor:
-        up_gate = self._columns(
-            x if mask is None else x * mask, parts, self.INPUT_KIND
-        )  # dip_in row i: up[:, i] | gate[:, i]
+        # dip_in row i: up[:, i] | gate[:, i]; rounded to the model's dtype as its projections are
+        up_gate = self._columns(x if mask is None else x * mask, parts).to(x.dtype)
         return up_gate[:, : self.d_ff] * self.act(up_gate[:, self.d_ff :])
 
     def select_output(self, a: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:
@@ -399,7 +419,7 @@ class DIPMLP(SparseMLP):
     def compute_output(
         self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts
     ) -> torch.Tensor:
-        return self._columns(a * mask, parts, self.OUTPUT_KIND)
+        return self._columns(a * mask, parts).to(x.dtype)
 
 
 @register_method("glu")
