@@ -19,7 +19,7 @@ def test_convert_then_info(make_tiny_checkpoint, tmp_path, capsys):
 
     assert main(["info", str(tmp_path / "store")]) == 0
     text = capsys.readouterr().out
-    assert "llama: 2 layers" in text and "kind gate_up" in text and "kind down" in text
+    assert "llama: 2 layers" in text and "kind gate" in text and "kind up" in text and "kind down" in text
 
     assert main(["info", str(tmp_path / "store"), "--json"]) == 0
     manifest = json.loads(capsys.readouterr().out)

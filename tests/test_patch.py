@@ -54,11 +54,12 @@ def test_density_one_matches_dense(arch, cached_fraction, make_tiny_checkpoint, 
     path = make_tiny_checkpoint(arch, dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(path)
     patched = load_patched(path, tmp_path / "store", cached_fraction)
-    capacities = [(m.hidden_cache.capacity, m.down_cache.capacity) for m in streaming_mlps(patched)]
-    if cached_fraction == 0:
-        assert capacities == [(0, 0)] * len(capacities)
-    if cached_fraction == 1:
-        assert capacities == [(m.d_ff, m.d_model) for m in streaming_mlps(patched)]
+    for module in streaming_mlps(patched):
+        capacities = [cache.capacity for cache in module.caches()]
+        if cached_fraction == 0:
+            assert capacities == [0] * len(capacities)
+        if cached_fraction == 1:
+            assert capacities == [cache.num_units for cache in module.caches()]
     assert len(streaming_mlps(patched)) == reference.config.get_text_config().num_hidden_layers
     ids = prompt_ids(reference.config.get_text_config().vocab_size)
     with torch.no_grad():
@@ -248,7 +249,7 @@ def test_stats_count_reads_hits_and_stay_in_budget(cached_fraction, make_tiny_ch
     steps = snapshot.per_step()
     assert steps[0]["tokens"] == ids.shape[1] and all(s["tokens"] == 1 for s in steps[1:])
     store = flashlm.Store.open(tmp_path / "store")
-    all_units = (store.d_ff + store.d_model) * layers  # neurons of gate_up, rows of down
+    all_units = (2 * store.d_ff + store.d_model) * layers  # neurons of gate and up, rows of down
     assert all(s["hits"] + s["misses"] == all_units for s in steps)
     assert steps[0]["bytes_read"] >= store.nbytes()  # a cold cache reads everything once
     if cached_fraction == 1:

@@ -128,7 +128,7 @@ def all_kinds(model_type: str) -> tuple[str, ...]:
 
 
 def default_kinds(model_type: str) -> tuple[str, ...]:
-    return ("gate_up", "down") if model_type in GATED else ("up", "down")
+    return ("gate", "up", "down") if model_type in GATED else ("up", "down")
 
 
 def expected_rows(model: torch.nn.Module, layer: int, kind: str) -> torch.Tensor:
@@ -148,7 +148,6 @@ def expected_rows(model: torch.nn.Module, layer: int, kind: str) -> torch.Tensor
     if kind == "down":
         return torch.stack([down[i] for i in range(down.shape[0])])
     row = {
-        "gate_up": lambda j: [gate[j], up[j]],
         "bundle": (lambda j: [up[j], down[:, j]])
         if gate is None
         else (lambda j: [gate[j], up[j], down[:, j]]),
@@ -180,7 +179,7 @@ def test_round_trip(checkpoint: Checkpoint, tmp_path: Path) -> None:
     assert store.gated is gated
     assert store.kinds == kinds
     assert store.kinds == (
-        ("gate_up", "up", "down", "bundle", "dip_in", "dip_down", "gate", "gate_down", "up_down")
+        ("gate", "up", "down", "bundle", "dip_in", "dip_down", "gate_down", "up_down")
         if gated
         else ("up", "down", "bundle")
     )
@@ -323,7 +322,7 @@ def test_existing_destination(llama: Checkpoint, tmp_path: Path) -> None:
     with pytest.raises(FileExistsError, match="overwrite=True"):
         convert(llama.path, dest, progress=False)
     assert Store.open(dest).kinds == ("dip_in",)
-    assert convert(llama.path, dest, overwrite=True, progress=False).kinds == ("gate_up", "down")
+    assert convert(llama.path, dest, overwrite=True, progress=False).kinds == ("gate", "up", "down")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
     precious = tmp_path / "precious"
     precious.mkdir()
@@ -349,8 +348,8 @@ def tree(path: Path) -> dict[str, bytes]:
 def test_add_kinds_matches_convert(gated: Checkpoint, tmp_path: Path, kinds: tuple[str, ...]) -> None:
     base = convert(gated.path, tmp_path / "added", progress=False)
     added = add_kinds(base, kinds[::-1], progress=False)
-    direct = convert(gated.path, tmp_path / "direct", kinds=("gate_up", "down", *kinds), progress=False)
-    assert added.kinds == direct.kinds == tuple(k for k in KINDS if k in ("gate_up", "down") or k in kinds)
+    direct = convert(gated.path, tmp_path / "direct", kinds=("gate", "up", "down", *kinds), progress=False)
+    assert added.kinds == direct.kinds == tuple(k for k in KINDS if k in ("gate", "up", "down") or k in kinds)
     assert added.manifest["kinds"] == direct.manifest["kinds"]
     assert added.manifest["files"] == direct.manifest["files"]
     assert list(added.manifest["files"]) == list(direct.manifest["files"])
@@ -376,12 +375,12 @@ def test_add_kinds_is_idempotent(llama: Checkpoint, tmp_path: Path) -> None:
     store = add_kinds(convert(llama.path, tmp_path / "store", progress=False), ["dip_in"], progress=False)
     before = tree(store.path)
     assert add_kinds(store, ["dip_in"], progress=False) is store
-    assert add_kinds(store, "gate_up", progress=False) is store
+    assert add_kinds(store, "gate", progress=False) is store
     assert add_kinds(store, [], progress=False) is store
     # A stale `Store` (another process added the kind meanwhile) also finds it present.
     stale = Store.open(store.path)
-    stale.kinds = ("gate_up", "down")
-    assert add_kinds(stale, ["dip_in"], progress=False).kinds == ("gate_up", "down", "dip_in")
+    stale.kinds = ("gate", "up", "down")
+    assert add_kinds(stale, ["dip_in"], progress=False).kinds == ("gate", "up", "down", "dip_in")
     assert tree(store.path) == before
 
 
@@ -407,7 +406,7 @@ def test_add_kinds_needs_a_whole_mlp(llama: Checkpoint, tmp_path: Path) -> None:
     store = convert(llama.path, tmp_path / "store", kinds=["dip_in", "gate"], progress=False)
     assert add_kinds(store, ["dip_in"], progress=False) is store
     with pytest.raises(StoreMismatchError, match="flashlm convert --kinds") as info:
-        add_kinds(store, ["up"], progress=False)
+        add_kinds(store, ["down"], progress=False)
     assert "do not hold every weight of the MLP" in str(info.value)
     assert "kinds=[...]" in str(info.value)
 
@@ -415,8 +414,8 @@ def test_add_kinds_needs_a_whole_mlp(llama: Checkpoint, tmp_path: Path) -> None:
 @pytest.mark.parametrize("source", [("dip_in", "dip_down"), ("bundle",), ("up", "gate_down")], ids=str)
 def test_add_kinds_derives_from_any_whole_mlp(llama: Checkpoint, tmp_path: Path, source) -> None:
     store = convert(llama.path, tmp_path / "store", kinds=source, progress=False)
-    added = add_kinds(store, ["gate_up", "down"], progress=False)
-    for kind in ("gate_up", "down"):
+    added = add_kinds(store, ["gate", "up", "down"], progress=False)
+    for kind in ("gate", "up", "down"):
         with safe_open(added.row_file(1, kind).path, framework="pt") as f:
             assert torch.equal(f.get_tensor("rows"), expected_rows(llama.model, 1, kind))
 
@@ -442,10 +441,10 @@ def test_failed_add_kinds_leaves_the_store_unchanged(
     with pytest.raises(RuntimeError, match="disk on fire"):
         add_kinds(store, ["dip_in", "dip_down"], progress=False)
     assert tree(store.path) == before
-    assert Store.open(store.path).kinds == ("gate_up", "down")
+    assert Store.open(store.path).kinds == ("gate", "up", "down")
     monkeypatch.undo()
     added = add_kinds(store, ["dip_in", "dip_down"], progress=False)
-    assert added.kinds == ("gate_up", "down", "dip_in", "dip_down")
+    assert added.kinds == ("gate", "up", "down", "dip_in", "dip_down")
 
 
 def test_add_kinds_os_error_says_the_store_is_unchanged(
@@ -458,8 +457,10 @@ def test_add_kinds_os_error_says_the_store_is_unchanged(
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(convert_module, "write_aligned_safetensors", full)
-    with pytest.raises(OSError, match=r"Cannot add unit kinds up, gate to the store .* is unchanged") as info:
-        add_kinds(store, ["gate", "up"], progress=False)
+    with pytest.raises(
+        OSError, match=r"Cannot add unit kinds dip_in, up_down to the store .* is unchanged"
+    ) as info:
+        add_kinds(store, ["up_down", "dip_in"], progress=False)
     assert info.value.errno == errno.ENOSPC
     assert tree(store.path) == before
 

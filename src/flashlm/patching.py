@@ -172,8 +172,7 @@ def replace_mlps(model: nn.Module, store: Store, config: FlashConfig) -> FlashRu
                 module = StreamingMLP(
                     layer,
                     runtime,
-                    runtime.make_cache(layer, kinds[0]),
-                    runtime.make_cache(layer, kinds[1]),
+                    {kind: runtime.make_cache(layer, kind) for kind in kinds},
                     act,
                     gated=store.gated,
                     d_model=store.d_model,

@@ -115,14 +115,24 @@ class FlashRuntime:
             ),
         )
         self.caches: dict[tuple[int, str], NeuronCache] = {}
+        self._read_ahead_caches: list[list[NeuronCache]] = [[] for _ in range(self.num_layers)]
+        """Each layer's caches of the `read_ahead` kinds: a layer whose caches all hold every unit reads
+        nothing, and `read_layer` answers it without the I/O thread."""
         self.unit_ids = torch.arange(max(f.rows for f in row_files.values()))
         """0, 1, 2, ...: sliced for 'every unit of a layer' instead of allocating a range per step."""
+        self._nothing = [
+            self._finished({kind: self._empty_fetch(kind, buffer) for kind in read_ahead})
+            for buffer in range(2 if read_ahead else 0)
+        ]
         self._io = ThreadPoolExecutor(1, thread_name_prefix="flashlm-prefetch")
         self._pending: Future[LayerFetch] | None = None
         self._pending_for: tuple[int, int] | None = None
         """(layer, buffer) of the read `_pending` is doing."""
         self.stats = StatsRecorder()
         self.trace = TraceRecorder() if config.record_trace else None
+        self.every_unit_resident = False
+        """True once every cache holds every unit of its layer (a budget that fits the whole MLP): then
+        nothing is ever read again, and the modules skip the reader altogether."""
         self.clock = 0
         self.step_start = 0
         """Cache clock: one tick per token position processed, so policies count tokens."""
@@ -147,6 +157,8 @@ class FlashRuntime:
             device=torch.device("cpu"),
         )
         self.caches[(layer, kind)] = cache
+        if kind in self.read_ahead:
+            self._read_ahead_caches[layer].append(cache)
         return cache
 
     @property
@@ -156,6 +168,10 @@ class FlashRuntime:
 
     def _policy_options(self) -> dict:
         return {"window": self.config.window} if self.config.policy == "window" else {}
+
+    def refresh_residency(self) -> None:
+        """Recompute `every_unit_resident` (after a cache admitted units)."""
+        self.every_unit_resident = all(cache.size == cache.num_units for cache in self.caches.values())
 
     def read(self, layer: int, kind: str, ids: torch.Tensor, buffer: int = 0, start: int = 0) -> Fetch:
         """Read units `ids` of `layer`'s `kind` matrix now, into that kind's staging buffer `buffer`
@@ -203,14 +219,20 @@ class FlashRuntime:
         return pending
 
     def _submit_layer(self, layer: int, buffer: int) -> Future[LayerFetch]:
+        if all(cache.size == cache.num_units for cache in self._read_ahead_caches[layer]):
+            return self._nothing[buffer]
         plan = {kind: self.uncached(layer, kind) for kind in self.read_ahead}
-        if not any(ids.numel() for ids, _ in plan.values()):
-            done: Future[LayerFetch] = Future()
-            done.set_result(
-                {kind: self.read(layer, kind, ids, buffer, start) for kind, (ids, start) in plan.items()}
-            )
-            return done
         return self._io.submit(self._read_kinds, layer, plan, buffer)
+
+    def _empty_fetch(self, kind: str, buffer: int) -> Fetch:
+        staging = self.staging[kind][buffer]
+        return Fetch(self.unit_ids[:0], staging[:0], staging, 0, 0, 0, 0.0)
+
+    @staticmethod
+    def _finished(result: object) -> Future:
+        done: Future = Future()
+        done.set_result(result)
+        return done
 
     def _read_kinds(self, layer: int, plan: dict[str, tuple[torch.Tensor, int]], buffer: int) -> LayerFetch:
         return {kind: self.read(layer, kind, ids, buffer, start) for kind, (ids, start) in plan.items()}
@@ -220,9 +242,7 @@ class FlashRuntime:
         the thread hop."""
         if ids.numel():
             return self._io.submit(self.read, layer, kind, ids)
-        done: Future[Fetch] = Future()
-        done.set_result(self.read(layer, kind, ids))
-        return done
+        return self._finished(self.read(layer, kind, ids))
 
     def drain(self) -> None:
         """Wait for and drop an outstanding prefetch (before the caches change outside a forward)."""

@@ -14,6 +14,8 @@ step (density 1.0) a full cache stays as it is instead of thrashing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -22,6 +24,14 @@ from .policies import EvictionPolicy, policy_state_bytes
 
 INDEX_DTYPE = torch.int64
 INDEX_ITEMSIZE = torch.empty((), dtype=INDEX_DTYPE).element_size()
+
+
+@dataclass
+class CacheCounters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    admissions: int = 0
 
 
 class NeuronCache(nn.Module):
@@ -40,8 +50,10 @@ class NeuronCache(nn.Module):
         slot_ids: `[capacity]` unit in each slot, -1 where free.
         slot_of: `[num_units]` slot of each unit, -1 where not resident (the residency mask).
 
-    Counters (python ints, since the last `reset_counters`): `hits` and `misses` from `lookup`,
-    `admissions` (units written into a slot) and `evictions` (units that left: displaced or expired).
+    Counters (python ints in `counters`, since the last `reset_counters`; also readable as
+    attributes): `hits` and `misses` from `lookup`, `admissions` (units written into a slot) and
+    `evictions` (units that left: displaced or expired). They live in a plain object because
+    assigning to a module attribute costs a microsecond or two, every layer, every step.
     """
 
     rows: torch.Tensor
@@ -103,10 +115,23 @@ class NeuronCache(nn.Module):
 
     def reset_counters(self) -> None:
         """Zero hits, misses, evictions and admissions."""
-        self.hits = 0
-        self.misses = 0
-        self.evictions = 0
-        self.admissions = 0
+        self.counters = CacheCounters()
+
+    @property
+    def hits(self) -> int:
+        return self.counters.hits
+
+    @property
+    def misses(self) -> int:
+        return self.counters.misses
+
+    @property
+    def evictions(self) -> int:
+        return self.counters.evictions
+
+    @property
+    def admissions(self) -> int:
+        return self.counters.admissions
 
     # ---- queries ----------------------------------------------------------------------------
 
@@ -134,8 +159,8 @@ class NeuronCache(nn.Module):
 
     def count(self, hits: int, misses: int) -> None:
         """Add to the hit and miss counters (for callers that know them without a lookup)."""
-        self.hits += hits
-        self.misses += misses
+        self.counters.hits += hits
+        self.counters.misses += misses
 
     @property
     def holds_unit_prefix(self) -> bool:
@@ -216,8 +241,8 @@ class NeuronCache(nn.Module):
             slots = self.slot_of[evicted]
             self.slot_of[evicted] = -1
             self._place(slots, entering[: evicted.numel()], rows, ids if row_ids is None else row_ids)
-            self.evictions += evicted.numel()
-            self.admissions += evicted.numel()
+            self.counters.evictions += evicted.numel()
+            self.counters.admissions += evicted.numel()
             self._unit_prefix = False
         self._append(entering[evicted.numel() :], rows, ids if row_ids is None else row_ids)
 
@@ -229,7 +254,7 @@ class NeuronCache(nn.Module):
         slots = torch.arange(first, first + ids.numel(), device=self.slot_ids.device)
         self._place(slots, ids, rows, row_ids)
         self.size += ids.numel()
-        self.admissions += ids.numel()
+        self.counters.admissions += ids.numel()
         if self._unit_prefix:
             self._unit_prefix = bool(ids[0] == first) and bool(ids[-1] == self.size - 1)
 
@@ -262,7 +287,7 @@ class NeuronCache(nn.Module):
         self.slot_of[self.slot_ids[holes]] = holes
         self.slot_ids[new_size : self.size] = -1
         self.size = new_size
-        self.evictions += n_doomed
+        self.counters.evictions += n_doomed
         self._unit_prefix = self._unit_prefix and holes.numel() == 0
 
     def extra_repr(self) -> str:

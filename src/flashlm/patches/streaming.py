@@ -1,12 +1,11 @@
 """`StreamingMLP`: an MLP whose weights live in the store and pass through budgeted neuron caches.
 
 Dense streaming (`method="dense"`, and every method at density 1.0) needs every weight every step.
-It reads two unit kinds, each with its own cache: the intermediate projection by neuron (`gate_up`
-row j = gate row j | up row j, or `up` row j for a plain MLP) and the down projection by output
-feature (`down` row i = the checkpoint's row i). Every product is then a subset of the rows of the
-checkpoint's own matrices, computed by `F.linear` in the dense model's layout — the kernel
-transformers uses, fast on every CPU, and exact: a one-token product's outputs do not depend on
-which other rows are computed with them.
+It reads one unit kind per projection, each with its own cache: `gate` and `up` by neuron (row j of
+the projection) and `down` by output feature (row i of the down projection). Every product is then
+a contiguous block of rows of the checkpoint's own matrix, computed by `F.linear` in the dense
+model's layout — the kernel transformers uses, fast on every CPU, and exact: a one-token product's
+outputs do not depend on which other rows are computed with them.
 
 Every step needs every unit, so priorities never differ and a cache never changes once full: the
 first step fills it with units `0 .. capacity-1` in order, and from then on the misses are the rest
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import NeuronCache
+from ..store.format import dense_kinds
 from .base import FlashMLP, register_method
 
 if TYPE_CHECKING:
@@ -37,19 +37,17 @@ class StreamingMLP(FlashMLP):
     """Computes one MLP from streamed rows of the checkpoint's matrices. Holds no `nn.Parameter`.
 
     Args (beyond `FlashMLP`'s):
-        hidden_cache: this layer's cache of `gate_up` (gated) or `up` (plain) units.
-        down_cache: this layer's cache of `down` rows.
+        caches: this layer's cache of each kind of `StreamingMLP.kinds_for(gated)`, by kind.
         up_bias, down_bias: biases of plain MLPs, kept resident.
     """
 
-    KINDS = ("gate_up", "down")
+    KINDS = ("gate", "up", "down")
 
     def __init__(
         self,
         layer: int,
         runtime: FlashRuntime,
-        hidden_cache: NeuronCache,
-        down_cache: NeuronCache,
+        caches: dict[str, NeuronCache],
         act: nn.Module,
         *,
         gated: bool,
@@ -62,15 +60,17 @@ class StreamingMLP(FlashMLP):
         super().__init__(
             layer, runtime, act, gated=gated, d_model=d_model, d_ff=d_ff, dense_class=dense_class
         )
-        self.hidden_kind = "gate_up" if gated else "up"
-        self.hidden_cache = hidden_cache
-        self.down_cache = down_cache
+        self.gate_cache = caches.get("gate")
+        self.up_cache = caches["up"]
+        self.down_cache = caches["down"]
         self.register_buffer("up_bias", up_bias, persistent=False)
         self.register_buffer("down_bias", down_bias, persistent=False)
+        self._kind_caches = [(kind, caches[kind]) for kind in self.kinds_for(gated)]
+        """(kind, cache) pairs in store order (references to the submodules above)."""
 
     @staticmethod
-    def kinds_for(gated: bool) -> tuple[str, str]:
-        return ("gate_up" if gated else "up", "down")
+    def kinds_for(gated: bool) -> tuple[str, ...]:
+        return dense_kinds(gated)
 
     @torch.no_grad()
     def reset_state(self) -> None:
@@ -86,9 +86,10 @@ class StreamingMLP(FlashMLP):
                 getattr(self, name).copy_(resident[name])
 
     def extra_repr(self) -> str:
+        capacities = ", ".join(f"{kind}={cache.capacity}" for kind, cache in self._kind_caches)
         return (
             f"layer={self.layer}, d_model={self.d_model}, d_ff={self.d_ff}, gated={self.gated}, "
-            f"capacity=({self.hidden_cache.capacity}, {self.down_cache.capacity})"
+            f"capacity=({capacities})"
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -97,61 +98,73 @@ class StreamingMLP(FlashMLP):
         tokens = x.shape[0]
         if self.layer == 0:
             runtime.begin_step(tokens)
+        if runtime.every_unit_resident and runtime.trace is None:
+            return self._resident_forward(x).reshape(hidden_states.shape)
         pending = runtime.read_layer(self.layer)
         waiting = perf_counter()
         fetched = pending.result()
         io_s = perf_counter() - waiting
-        hidden_fetch, down_fetch = fetched[self.hidden_kind], fetched["down"]
 
-        hits = self.hidden_cache.size + self.down_cache.size
+        hits = sum(cache.size for _, cache in self._kind_caches)
         started = perf_counter()
-        hidden = self._hidden(x, hidden_fetch)
-        out = self._matrix(hidden, self.down_cache, down_fetch, self.down_bias)
+        up = self._matrix(x, self.up_cache, fetched["up"], self.up_bias)
+        if self.gated:
+            hidden = self.act(self._matrix(x, self.gate_cache, fetched["gate"], None)) * up
+        else:
+            hidden = self.act(up)
+        out = self._matrix(hidden, self.down_cache, fetched["down"], self.down_bias)
         computed = perf_counter()
-        evictions = self._account(self.hidden_cache, hidden_fetch) + self._account(
-            self.down_cache, down_fetch
-        )
+        evictions = sum(self._account(kind, cache, fetched[kind]) for kind, cache in self._kind_caches)
         updated = perf_counter()
 
         runtime.stats.record(
             self.layer,
             tokens=tokens,
-            bytes_read=hidden_fetch.bytes_read + down_fetch.bytes_read,
-            reads=hidden_fetch.reads + down_fetch.reads,
+            bytes_read=sum(fetch.bytes_read for fetch in fetched.values()),
+            reads=sum(fetch.reads for fetch in fetched.values()),
             hits=hits,
-            misses=hidden_fetch.ids.numel() + down_fetch.ids.numel(),
+            misses=sum(fetch.ids.numel() for fetch in fetched.values()),
             evictions=evictions,
             used_bytes=tokens * runtime.layer_mlp_bytes,
             dense_bytes=tokens * runtime.layer_mlp_bytes,
             io_s=io_s,
-            io_busy_s=hidden_fetch.busy_s + down_fetch.busy_s,
+            io_busy_s=sum(fetch.busy_s for fetch in fetched.values()),
             update_s=updated - computed,
             compute_s=computed - started,
         )
         return out.reshape(hidden_states.shape)
 
-    def _hidden(self, x: torch.Tensor, fetch: Fetch) -> torch.Tensor:
-        """The intermediate activation `[T, d_ff]`: `act(gate x) * up x`, or `act(up x + b)`."""
-        if not self.gated:
-            return self.act(self._matrix(x, self.hidden_cache, fetch, self.up_bias))
-        d = self.d_model
-        gate = self._matrix(x, self.hidden_cache, fetch, None, columns=slice(0, d))
-        up = self._matrix(x, self.hidden_cache, fetch, None, columns=slice(d, 2 * d))
-        return self.act(gate) * up
+    def _resident_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Every unit of every layer in its cache, in unit order: the dense model's three products on
+        the caches' matrices, and nothing else but the counters (the decode path of a budget that
+        holds the whole MLP)."""
+        started = perf_counter()
+        up = F.linear(x, self.up_cache.rows, self.up_bias)
+        hidden = self.act(F.linear(x, self.gate_cache.rows)) * up if self.gated else self.act(up)
+        out = F.linear(hidden, self.down_cache.rows, self.down_bias)
+        computed = perf_counter()
+        units = 0
+        for _, cache in self._kind_caches:
+            cache.count(cache.num_units, 0)
+            units += cache.num_units
+        tokens = x.shape[0]
+        self.runtime.stats.record(
+            self.layer,
+            tokens=tokens,
+            hits=units,
+            used_bytes=tokens * self.runtime.layer_mlp_bytes,
+            dense_bytes=tokens * self.runtime.layer_mlp_bytes,
+            compute_s=computed - started,
+        )
+        return out
 
     def _matrix(
-        self,
-        x: torch.Tensor,
-        cache: NeuronCache,
-        fetch: Fetch,
-        bias: torch.Tensor | None,
-        columns: slice = slice(None),
+        self, x: torch.Tensor, cache: NeuronCache, fetch: Fetch, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """`F.linear(x, W, bias)` for the matrix W whose rows are the cache's and the fetch's units
-        (`columns` of each row: gate or up of a `gate_up` row)."""
+        """`F.linear(x, W, bias)` for the matrix W whose rows are the cache's and the fetch's units."""
         cached = cache.size
         if fetch.ids.numel() == 0:  # all resident (in unit order): the matrix is the cache's
-            return F.linear(x, cache.rows[:cached, columns], bias)
+            return F.linear(x, cache.rows[:cached], bias)
         if not cache.holds_unit_prefix or fetch.start != cached:
             raise RuntimeError(
                 f"flashlm internal error: layer {self.layer}'s dense cache does not hold its first "
@@ -159,26 +172,26 @@ class StreamingMLP(FlashMLP):
             )
         matrix = fetch.buffer[: cache.num_units]
         if cached == 0:
-            return F.linear(x, matrix[:, columns], bias)
+            return F.linear(x, matrix, bias)
         if x.shape[0] > 1:
             # Many tokens: one product over the whole matrix, as the dense model computes it.
             matrix[:cached].copy_(cache.rows[:cached])
-            return F.linear(x, matrix[:, columns], bias)
+            return F.linear(x, matrix, bias)
         out = x.new_empty(x.shape[0], cache.num_units)
         head, tail = (None, None) if bias is None else (bias[:cached], bias[cached:])
-        out[:, :cached] = F.linear(x, cache.rows[:cached, columns], head)
-        out[:, cached:] = F.linear(x, matrix[cached:, columns], tail)
+        out[:, :cached] = F.linear(x, cache.rows[:cached], head)
+        out[:, cached:] = F.linear(x, matrix[cached:], tail)
         return out
 
-    def _account(self, cache: NeuronCache, fetch: Fetch) -> int:
+    def _account(self, kind: str, cache: NeuronCache, fetch: Fetch) -> int:
         """Counters, the trace, and (only while the cache has free slots) admission; returns evictions."""
         runtime = self.runtime
         cache.count(cache.size, fetch.ids.numel())
-        kind = self.hidden_kind if cache is self.hidden_cache else "down"
         if runtime.trace is not None:
             runtime.trace.record(runtime.step_start, self.layer, kind, runtime.unit_ids[: cache.num_units])
         if cache.size == cache.capacity or fetch.ids.numel() == 0:
             return 0  # every unit is used every step: a full cache never changes
         evictions = cache.evictions
         cache.update(runtime.unit_ids[: cache.num_units], fetch.ids, fetch.rows, runtime.step_start)
+        runtime.refresh_residency()
         return cache.evictions - evictions

@@ -206,7 +206,7 @@ def _add_kinds(store: Store, missing: tuple[str, ...], progress: bool) -> None:
 
 
 _SOURCE_KIND_SETS = (
-    ("gate_up", "down"),
+    ("gate", "up", "down"),
     ("up", "down"),
     ("bundle",),
     ("dip_in", "dip_down"),
@@ -228,7 +228,6 @@ def _source_kinds(store: Store) -> tuple[str, ...] | None:
 
 
 _ROLES = {
-    "gate_up": ("gate", "up"),
     "up": ("up",),
     "down": ("down",),
     "bundle": ("gate", "up", "down"),
@@ -275,9 +274,6 @@ def _split_rows(
     if kind == "bundle":
         *gate, up, down_t = rows.split(d_model, dim=1)
         return {"up": up, "down": down_t.T} | ({"gate": gate[0]} if gate else {})
-    if kind == "gate_up":
-        gate, up = rows.split(d_model, dim=1)
-        return {"gate": gate, "up": up}
     if kind == "dip_in":
         up_t, gate_t = rows.split(d_ff, dim=1)
         return {"up": up_t.T, "gate": gate_t.T}
@@ -390,9 +386,7 @@ def _unit_matrices(
     else:
         gate, up = tensors.get("gate"), tensors["up"]
     for kind in kinds:
-        if kind == "gate_up":
-            yield kind, torch.cat([gate, up], dim=1)
-        elif kind == "down":
+        if kind == "down":
             yield kind, down.contiguous()
         elif kind == "bundle":
             parts = [up, down.T] if gate is None else [gate, up, down.T]

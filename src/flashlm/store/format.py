@@ -33,22 +33,21 @@ MANIFEST = "manifest.json"
 RESIDENT = "resident.safetensors"
 ROWS = "rows"
 
-KINDS = ("gate_up", "up", "down", "bundle", "dip_in", "dip_down", "gate", "gate_down", "up_down")
+KINDS = ("gate", "up", "down", "bundle", "dip_in", "dip_down", "gate_down", "up_down")
 """Unit kinds, in the order a store lists them.
 
-Dense streaming reads `gate_up` (or `up` for a plain MLP) and `down`: a unit of `gate_up` is a
-neuron (one row of gate and of up), a unit of `down` one output feature (a row of the down
-projection), so every product is a row subset of the checkpoint's own matrices and `F.linear`
-computes it with the dense model's kernel (what keeps dense streaming exact). `convert` writes these
-by default. The others, derived on first use by `add_kinds` from whatever the store holds: `bundle`
+Dense streaming reads `gate`, `up` (a unit is a neuron: a row of the projection) and `down` (a unit
+is an output feature: a row of the down projection): each is the checkpoint's own matrix, cut by
+rows, so every product is a contiguous row block that `F.linear` computes with the dense model's
+kernel (what keeps dense streaming exact and as fast as the dense model). `convert` writes these by
+default. The others, derived on first use by `add_kinds` from whatever the store holds: `bundle`
 (row-column bundling, LLM in a flash) and the layouts of the DIP paper's methods (DIP: `dip_in`,
 `dip_down`; up pruning: `up`, `gate_down`; gate pruning and CATS: `gate`, `up_down`).
 """
 
-GATED_ONLY_KINDS = ("gate_up", "dip_in", "dip_down", "gate", "gate_down", "up_down")
+GATED_ONLY_KINDS = ("gate", "dip_in", "dip_down", "gate_down", "up_down")
 
 KIND_LAYOUTS = {
-    ("gate_up", True): "row j = gate[j, :] | up[j, :]",
     ("up", True): "row j = up[j, :]",
     ("up", False): "row j = up[j, :]",
     ("down", True): "row i = down[i, :]",
@@ -68,9 +67,9 @@ other kind d_ff.
 """
 
 
-def dense_kinds(gated: bool) -> tuple[str, str]:
-    """The kinds dense streaming reads: the intermediate projection(s) by neuron, down by output row."""
-    return ("gate_up" if gated else "up", "down")
+def dense_kinds(gated: bool) -> tuple[str, ...]:
+    """The kinds dense streaming reads: the intermediate projections by neuron, down by output row."""
+    return ("gate", "up", "down") if gated else ("up", "down")
 
 
 _SAFETENSORS_DTYPES = {
