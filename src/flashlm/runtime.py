@@ -15,6 +15,7 @@ from .config import FlashConfig
 from .stats import FlashStats, StatsRecorder
 from .store import ALIGNMENT, Store, StoreReader
 from .store.format import dense_kinds
+from .store.reader import row_matrix
 from .trace import TraceRecorder
 
 READER_BUFFER_CAP = 16 * 2**20
@@ -93,12 +94,12 @@ class FlashRuntime:
         """The kinds whose next layer is read while this layer computes, into the other of two buffers."""
         self.staging = {
             kind: [
-                torch.empty(store.row_file(0, kind).rows, store.row_file(0, kind).width, dtype=store.dtype)
+                row_matrix(store.row_file(0, kind).rows, store.row_file(0, kind).width, store.dtype)
                 for _ in range(2 if kind in read_ahead else 1)
             ]
             for kind in kinds
         }
-        staging_bytes = sum(b.numel() * b.element_size() for bufs in self.staging.values() for b in bufs)
+        staging_bytes = self._staging_bytes()
         self.budget_bytes = config.budget.resolve(self.num_layers * self.layer_mlp_bytes)
         self._cache_keys = list(row_files)
         self.plan: BudgetPlan = split_budget(
@@ -180,7 +181,10 @@ class FlashRuntime:
         rows = staging[start : start + ids.numel()]
         bytes_before, reads_before = self.reader.bytes_read, self.reader.reads_issued
         started = perf_counter()
-        if ids.numel():
+        if ids.numel() and start + ids.numel() == staging.shape[0] and int(ids[0]) == start:
+            # The rest of the matrix, in unit order, at its own rows: read in place.
+            self.reader.read_range((layer, kind), start, staging)
+        elif ids.numel():
             self.reader.read((layer, kind), ids, rows)
         return Fetch(
             ids,
@@ -256,8 +260,11 @@ class FlashRuntime:
             cache.nbytes + sum(b.numel() * b.element_size() for b in cache.policy.buffers())
             for cache in self.caches.values()
         )
-        staging = sum(b.numel() * b.element_size() for bufs in self.staging.values() for b in bufs)
-        return cache_bytes + staging + self.reader.buffer_bytes
+        return cache_bytes + self._staging_bytes() + self.reader.buffer_bytes
+
+    def _staging_bytes(self) -> int:
+        """The staging buffers' bytes, each with the spare block `row_matrix` allocates after it."""
+        return sum(b.numel() * b.element_size() + ALIGNMENT for bufs in self.staging.values() for b in bufs)
 
     def snapshot(self) -> FlashStats:
         mode = (

@@ -12,6 +12,7 @@ buffer; the wanted rows are then gathered from it into the caller's tensor.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import mmap
 import os
@@ -82,6 +83,14 @@ DEFAULT_MERGE_GAP_BYTES = break_even_gap_bytes(MEASURED_REQUEST_COST_S, MEASURED
 def aligned_buffer(nbytes: int) -> torch.Tensor:
     """A page-aligned CPU uint8 tensor of `nbytes` (anonymous memory), as O_DIRECT reads need."""
     return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
+
+
+def row_matrix(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """A `[rows, width]` matrix laid out like a store file's rows, for `StoreReader.read_range`: row 0 on
+    a page boundary and one spare block after the last row, so an aligned O_DIRECT read of any row
+    range can land in place (the partial blocks at its ends fall on neighbouring rows or the spare)."""
+    nbytes = rows * width * dtype.itemsize
+    return aligned_buffer(nbytes + ALIGNMENT)[:nbytes].view(dtype).view(rows, width)
 
 
 class DirectIOUnavailableError(FlashLMError, OSError):
@@ -397,6 +406,48 @@ class StoreReader:
             elems = torch.frombuffer(self._buffer, dtype=f.dtype)
             self._windows[key] = elems.as_strided((elems.numel() - f.width + 1, f.width), (1, 1))
         return self._windows[key]
+
+    def read_range(self, key: Hashable, first: int, matrix: torch.Tensor) -> None:
+        """Read rows `first .. len(matrix) - 1` of `files[key]` into the same rows of `matrix`, straight
+        from the disk (no I/O buffer, no gather: LLM in a flash's preallocated matrix, filled in place).
+
+        `matrix` is a `row_matrix` of the file's shape (or its first rows). With O_DIRECT the aligned
+        superset of the range is read in place: the bytes of the row before `first` that share its
+        first block, and the spare block after the matrix, are overwritten.
+        """
+        if self._closed:
+            raise ValueError("This StoreReader is closed.")
+        f = self.files[key]
+        base = matrix.data_ptr()
+        if (
+            matrix.dtype != f.dtype
+            or matrix.dim() != 2
+            or matrix.shape[1] != f.width
+            or not matrix.is_contiguous()
+        ):
+            raise ValueError(f"matrix must be a contiguous [rows, {f.width}] {f.dtype} row_matrix.")
+        if not 0 <= first <= matrix.shape[0] <= f.rows:
+            raise ValueError(f"rows {first}..{matrix.shape[0] - 1} are not rows of {f.path} ({f.rows}).")
+        if first == matrix.shape[0]:
+            return
+        begin = f.data_offset + first * f.row_bytes
+        end = f.data_offset + matrix.shape[0] * f.row_bytes
+        if self.mode == "direct":
+            if base % mmap.PAGESIZE:
+                raise ValueError("O_DIRECT reads need a page-aligned matrix: allocate it with `row_matrix`.")
+            begin = begin // ALIGNMENT * ALIGNMENT
+            end = -(-end // ALIGNMENT) * ALIGNMENT
+        view = memoryview((ctypes.c_char * (end - begin)).from_address(base + begin - f.data_offset)).cast(
+            "B"
+        )
+        _, positions, sizes = split_chunks(np.array([0]), np.array([end - begin]), self.chunk_bytes)
+        last_needed = f.data_offset + matrix.shape[0] * f.row_bytes - begin
+        requests = [
+            (begin + pos, size, pos, max(0, min(size, last_needed - pos)))
+            for pos, size in zip(positions.tolist(), sizes.tolist(), strict=True)
+        ]
+        with self._lock:
+            self._issue(self._fds[key], f, requests, view)
 
     def read_all(self, key: Hashable, out: torch.Tensor) -> None:
         """Read every row of `files[key]` straight into `out`, with no intermediate buffer or copy.
