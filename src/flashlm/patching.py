@@ -345,6 +345,7 @@ def stats(model: nn.Module, *, reset: bool = False) -> FlashStats | EndorStats:
         return snapshot
     modules = streaming_mlps(model)
     runtime = _runtime_of(model)
+    runtime.drain()  # queued cache updates hold evictions not yet counted
     snapshot = runtime.snapshot()
     if reset:
         runtime.stats.reset()
@@ -359,6 +360,7 @@ def stats(model: nn.Module, *, reset: bool = False) -> FlashStats | EndorStats:
 def trace(model: nn.Module) -> Trace:
     """Which units each layer used at each step since the last reset (`record_trace=True` runs only)."""
     runtime = _runtime_of(model)
+    runtime.drain()
     if runtime.trace is None:
         raise ValueError("This model records no trace: patch it with FlashConfig(record_trace=True).")
     store = runtime.store

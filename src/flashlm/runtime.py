@@ -4,6 +4,7 @@ clock, the stats recorder and the optional trace recorder."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from time import perf_counter
@@ -129,6 +130,8 @@ class FlashRuntime:
         self._pending: Future[LayerFetch] | None = None
         self._pending_for: tuple[int, int] | None = None
         """(layer, buffer) of the read `_pending` is doing."""
+        self._updates: dict[tuple[int, str], Future[None]] = {}
+        """The cache update each (layer, kind) has queued on the I/O thread (`update_later`)."""
         self.stats = StatsRecorder()
         self.trace = TraceRecorder() if config.record_trace else None
         self.every_unit_resident = False
@@ -196,10 +199,24 @@ class FlashRuntime:
             perf_counter() - started,
         )
 
+    def update_later(self, layer: int, kind: str, update: Callable[[], None]) -> None:
+        """Run a cache's `update` (admission and eviction: row copies that grow with the misses) on the
+        I/O thread, off the decode's critical path. The queue is first in, first out, so it runs
+        before any later read that could reuse the staging rows it copies from; `settle` waits for it
+        before the cache is read again."""
+        self._updates[(layer, kind)] = self._io.submit(update)
+
+    def settle(self, layer: int, kind: str) -> None:
+        """Wait for the update `update_later` queued for this cache, if any (raising its error)."""
+        pending = self._updates.pop((layer, kind), None)
+        if pending is not None:
+            pending.result()
+
     def uncached(self, layer: int, kind: str) -> tuple[torch.Tensor, int]:
         """Ids of `layer`'s `kind` units not in its cache, ascending, and the staging row they go to:
         their own position when the cache holds a prefix of the units in order (the misses are then
         the rest, so they complete the matrix), else 0."""
+        self.settle(layer, kind)
         cache = self.caches[(layer, kind)]
         if cache.holds_unit_prefix:
             return self.unit_ids[cache.size : cache.num_units], cache.size
@@ -249,10 +266,13 @@ class FlashRuntime:
         return self._finished(self.read(layer, kind, ids))
 
     def drain(self) -> None:
-        """Wait for and drop an outstanding prefetch (before the caches change outside a forward)."""
+        """Wait for and drop an outstanding prefetch, and for queued cache updates (before the caches are
+        read or changed outside a forward)."""
         pending, self._pending, self._pending_for = self._pending, None, None
         if pending is not None:
             pending.result()
+        for key in list(self._updates):
+            self.settle(*key)
 
     def resident_bytes(self) -> int:
         """Bytes really allocated: caches (slots, indices, policy), staging, reader buffer."""

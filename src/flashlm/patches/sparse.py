@@ -135,11 +135,20 @@ class SparseMLP(FlashMLP):
     INPUT_KIND: str
     OUTPUT_KIND: str
 
-    @staticmethod
-    def column_widths(d_model: int, d_ff: int) -> tuple[int, ...]:
-        """Widths of the column products the method computes (the sum over units of `coef * row`):
-        the down half of a bundle."""
-        return (d_model,)
+    def column_products_needed(self) -> dict[int, float]:
+        """Width of each column product the method computes (a sum over units of `coef * row`) and the
+        share of those units it keeps: here the down half of a bundle, `k_out` of the neurons."""
+        return {self.d_model: self.k_out / self.d_ff}
+
+    def measure_products(self) -> None:
+        """Choose, by timing them here, how each column product is computed (`ColumnProduct`)."""
+        for width, density in self.column_products_needed().items():
+            self.column_products[width] = ColumnProduct.measure(self.runtime.store.dtype, width, density)
+
+    def _product(self, width: int) -> ColumnProduct:
+        if width not in self.column_products:
+            self.measure_products()
+        return self.column_products[width]
 
     def __init__(
         self,
@@ -162,11 +171,9 @@ class SparseMLP(FlashMLP):
             kind: runtime.store.row_file(layer, kind).row_bytes
             for kind in (self.INPUT_KIND, self.OUTPUT_KIND)
         }
-        self.column_products = {
-            width: ColumnProduct.measure(runtime.store.dtype, width)
-            for width in self.column_widths(d_model, d_ff)
-        }
-        """The measured implementation of each width of column product this method computes."""
+        self.column_products: dict[int, ColumnProduct] = {}
+        """The measured implementation of each width of column product this method computes
+        (`measure_products`, which `build_sparse_mlp` calls at load)."""
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -269,6 +276,7 @@ class SparseMLP(FlashMLP):
         longer needed (the staging buffer is reused by the next layer).
         """
         runtime, layer = self.runtime, self.layer
+        runtime.settle(layer, kind)
         if sequential:
             return self._sequential_stage(kind, cache, select, values, times)
         started = perf_counter()
@@ -291,9 +299,12 @@ class SparseMLP(FlashMLP):
         def finish() -> None:
             fetched = parts.fetched
             updating = perf_counter()
-            cache.update(ids, miss_ids, fetched.rows, runtime.step_start, row_ids=fetched.ids)
             if runtime.trace is not None:
                 runtime.trace.record(runtime.step_start, layer, kind, ids)
+            step = runtime.step_start
+            runtime.update_later(
+                layer, kind, lambda: cache.update(ids, miss_ids, fetched.rows, step, row_ids=fetched.ids)
+            )
             times.update_s += perf_counter() - updating
 
         return mask, parts, finish
@@ -339,7 +350,7 @@ class SparseMLP(FlashMLP):
         """`coef @ W` where unit i is row i of W (`columns` of each row): an input column of the
         projection, summed over the kept units in fp32 (zero coefficients cost nothing)."""
         width = len(range(*columns.indices(self._row_width(parts))))
-        product = self.column_products[width]
+        product = self._product(width)
         coef = coef.float()
         out = coef.new_zeros(coef.shape[0], width)
         for rows, ids in parts:
@@ -358,7 +369,7 @@ class SparseMLP(FlashMLP):
         """Stage 2 over bundles (row j of the other projection | down column j): the sum over kept j
         of `a_j * other_act(row_j · x) * down_j`."""
         d = self.d_model
-        product = self.column_products[d]
+        product = self._product(d)
         out = x.new_zeros(x.shape[0], d, dtype=torch.float32)
         for rows, ids in parts:
             other = F.linear(x, rows[:, :d])
@@ -390,9 +401,10 @@ class DIPMLP(SparseMLP):
     INPUT_KIND = "dip_in"
     OUTPUT_KIND = "dip_down"
 
-    @staticmethod
-    def column_widths(d_model: int, d_ff: int) -> tuple[int, ...]:
-        return (2 * d_ff, d_model)  # a dip_in row (up and gate columns), a down column
+    def column_products_needed(self) -> dict[int, float]:
+        # a dip_in row (up and gate columns), a down column
+        kept_inputs = self.k_in / self.d_model if self.k_in else 1.0  # the GLU oracle keeps every input
+        return {2 * self.d_ff: kept_inputs, self.d_model: self.k_out / self.d_ff}
 
     def __init__(self, *args, k_in: int, input_threshold: float | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -483,7 +495,7 @@ class CATSMLP(GatePruningMLP):
         return threshold_mask(a, self.threshold)
 
 
-def build_sparse_mlp(
+def _sparse_module(
     config: FlashConfig,
     layer: int,
     runtime: FlashRuntime,
@@ -492,10 +504,7 @@ def build_sparse_mlp(
     calibration: Calibration | None,
     dense_class: type[nn.Module] | None = None,
 ) -> SparseMLP:
-    """The module of `config.method` for one layer, its unit counts derived from `config.density`.
-
-    Raises `CalibrationMissingError` when the method needs thresholds that were never calibrated.
-    """
+    """`build_sparse_mlp` before the measurement of its products."""
     store = runtime.store
     density = config.density
     common = {"d_model": store.d_model, "d_ff": store.d_ff, "dense_class": dense_class}
@@ -529,6 +538,25 @@ def build_sparse_mlp(
         return CATSMLP(layer, runtime, act, k_out=k_out, threshold=threshold, **common)
     cls = {"up": UpPruningMLP, "gate": GatePruningMLP}[config.method]
     return cls(layer, runtime, act, k_out=k_out, **common)
+
+
+def build_sparse_mlp(
+    config: FlashConfig,
+    layer: int,
+    runtime: FlashRuntime,
+    act: nn.Module,
+    *,
+    calibration: Calibration | None,
+    dense_class: type[nn.Module] | None = None,
+) -> SparseMLP:
+    """The module of `config.method` for one layer, its unit counts derived from `config.density`, its
+    column products measured on this machine.
+
+    Raises `CalibrationMissingError` when the method needs thresholds that were never calibrated.
+    """
+    module = _sparse_module(config, layer, runtime, act, calibration=calibration, dense_class=dense_class)
+    module.measure_products()
+    return module
 
 
 READ_AHEAD_MAX_SKIPPED = 0.05
