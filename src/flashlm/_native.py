@@ -45,16 +45,21 @@ def kernels_enabled() -> bool:
 
 
 @functools.cache
-def load_library(source: Path, name: str) -> ctypes.CDLL | None:
+def load_library(source: Path, name: str, *, openmp: bool = False) -> ctypes.CDLL | None:
     """`source` compiled (once per source, flags and CPU) and loaded; None where that is impossible
-    (logged once, naming the torch fallback)."""
+    (logged once, naming the torch fallback).
+
+    `openmp` builds with `-fopenmp`: the library then needs `libgomp.so.1`, which the dynamic linker
+    finds already loaded by torch (its wheel ships that soname), so the kernel's parallel regions run
+    on torch's own thread team instead of a second one competing for the cores.
+    """
     if not kernels_enabled():
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         logger.warning("flashlm: no C compiler found; %s runs as torch ops (slower).", name)
         return None
-    flags = ("-O3", *target_flags(), "-shared", "-fPIC")
+    flags = ("-O3", *target_flags(), "-shared", "-fPIC", *(("-fopenmp",) if openmp else ()))
     key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + _cpu_signature().encode())
     path = cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
     if not path.exists():

@@ -6,13 +6,19 @@
  *   out[t * ldo + j] += sum_k coef[t * ldc + k] * rows[k * ldr + j]    t < T, k < n, j0 <= j < j1
  *
  * coef and out are float32; rows are bf16, fp16 or fp32, converted as they are read. Columns are
+ * split between the threads of the OpenMP team (torch's own: this library links libgomp.so.1, which the
+ * dynamic linker resolves to the copy torch has loaded, so no second pool spins against torch's), then
  * processed in blocks that keep the block of `out` in L1; rows are taken four at a time so each load
  * and store of `out` carries four multiply-adds. A row whose coefficients are all zero is skipped, so
- * a masked product costs what the kept units weigh. Summation order is fixed by the arguments (and the
- * caller's column split), so results are deterministic.
+ * a masked product costs what the kept units weigh. Each output's summation order is fixed (rows in
+ * order), whatever the thread count, so results are deterministic.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
+
+#define ALIGN 16          /* column ranges start at multiples of this (an AVX-512 vector of fp32) */
+#define PARALLEL_MIN (1 << 20) /* below this many row elements one thread works alone */
 
 #define BLOCK 1024
 #define GROUP 4
@@ -41,8 +47,8 @@ static inline int next_group(const float *coef, int64_t ldc, int64_t T, int64_t 
 }
 
 #define DEFINE_COLUMNS(NAME, ELEM, CONVERT)                                                           \
-    void NAME(const float *coef, int64_t ldc, int64_t T, int64_t n, const ELEM *rows, int64_t ldr,    \
-              float *out, int64_t ldo, int64_t j0, int64_t j1) {                                      \
+    static void NAME##_range(const float *coef, int64_t ldc, int64_t T, int64_t n, const ELEM *rows,  \
+                             int64_t ldr, float *out, int64_t ldo, int64_t j0, int64_t j1) {          \
         for (int64_t b0 = j0; b0 < j1; b0 += BLOCK) {                                                \
             const int64_t len = (j1 - b0) < BLOCK ? (j1 - b0) : BLOCK;                               \
             int64_t group[GROUP], k = 0;                                                              \
@@ -62,6 +68,20 @@ static inline int next_group(const float *coef, int64_t ldc, int64_t T, int64_t 
         }                                                                                             \
     }
 
+#define DEFINE_PARALLEL(NAME, ELEM)                                                                   \
+    void NAME(const float *coef, int64_t ldc, int64_t T, int64_t n, const ELEM *rows, int64_t ldr,    \
+              float *out, int64_t ldo, int64_t width) {                                               \
+        _Pragma("omp parallel if (n * width >= PARALLEL_MIN)") {                                      \
+            const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();                    \
+            const int64_t j0 = me == 0 ? 0 : width * me / team / ALIGN * ALIGN;                        \
+            const int64_t j1 = me == team - 1 ? width : width * (me + 1) / team / ALIGN * ALIGN;       \
+            if (j1 > j0) NAME##_range(coef, ldc, T, n, rows, ldr, out, ldo, j0, j1);                   \
+        }                                                                                             \
+    }
+
 DEFINE_COLUMNS(flashlm_columns_bf16, uint16_t, bf16_to_float)
 DEFINE_COLUMNS(flashlm_columns_f16, _Float16, f16_to_float)
 DEFINE_COLUMNS(flashlm_columns_f32, float, f32_to_float)
+DEFINE_PARALLEL(flashlm_columns_bf16, uint16_t)
+DEFINE_PARALLEL(flashlm_columns_f16, _Float16)
+DEFINE_PARALLEL(flashlm_columns_f32, float)

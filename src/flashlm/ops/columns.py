@@ -11,7 +11,7 @@ chooses, by measurement on the machine at hand, between:
 
 - `native`: a C kernel (`_columns.c`) that streams each kept row once, converting bf16/fp16 to
   fp32 as it reads and skipping rows whose coefficients are all zero (PowerInfer's neuron-aware
-  operator), on one thread or with the columns split over torch's thread count;
+  operator), its columns split over torch's own OpenMP threads;
 - `torch`: `torch.mm` in the rows' dtype;
 - `torch-fp32`: the rows converted to fp32, then `torch.addmm` (what a CPU without bf16 units
   does fastest for many tokens).
@@ -27,9 +27,7 @@ import ctypes
 import functools
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -43,10 +41,6 @@ DECODE_MAX_TOKENS = 4
 """Products of up to this many tokens use the choice measured for one token."""
 SAMPLE_ROWS = 256
 """Rows of the synthetic matrix each candidate is timed on (the choice scales with rows)."""
-PARALLEL_MIN_ELEMENTS = 1 << 20
-"""Below this many row elements one thread runs the native kernel alone (a hand-off costs more)."""
-ALIGN = 16
-"""Column ranges of the threads start at multiples of this (a vector of fp32 on AVX-512)."""
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
@@ -54,21 +48,16 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 @functools.cache
 def _native_functions() -> dict[torch.dtype, Callable] | None:
-    library = load_library(SOURCE, "columns")
+    library = load_library(SOURCE, "columns", openmp=True)
     if library is None:
         return None
     functions = {}
     for dtype, suffix in _SUFFIX.items():
         function = getattr(library, f"flashlm_columns_{suffix}")
-        function.argtypes = [_P, _I, _I, _I, _P, _I, _P, _I, _I, _I]
+        function.argtypes = [_P, _I, _I, _I, _P, _I, _P, _I, _I]
         function.restype = None
         functions[dtype] = function
     return functions
-
-
-@functools.cache
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(threads, thread_name_prefix="flashlm-columns")
 
 
 def _check(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
@@ -82,30 +71,26 @@ def _check(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
         )
 
 
-def native(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor, threads: int = 1) -> None:
-    """`out += coef @ rows` with the C kernel (see module docstring); CPU tensors, `threads` column ranges."""
+def native(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
+    """`out += coef @ rows` with the C kernel (see module docstring), on CPU tensors."""
     functions = _native_functions()
     if functions is None:
         raise RuntimeError("The native column kernel is not available here (no C compiler, or disabled).")
     _check(out, coef, rows)
     tokens, n = coef.shape
-    width = rows.shape[1]
     if n == 0 or tokens == 0:
         return
-    args = (coef.data_ptr(), coef.stride(0), tokens, n, rows.data_ptr(), rows.stride(0))
-    function = functions[rows.dtype]
-    if threads <= 1 or n * width < PARALLEL_MIN_ELEMENTS:
-        function(*args, out.data_ptr(), out.stride(0), 0, width)
-        return
-    bounds = [min(width, width * part // threads // ALIGN * ALIGN) for part in range(threads)] + [width]
-    ranges = list(pairwise(bounds))
-    futures = [
-        _pool(threads).submit(function, *args, out.data_ptr(), out.stride(0), first, last)
-        for first, last in ranges[1:]
-    ]
-    function(*args, out.data_ptr(), out.stride(0), *ranges[0])
-    for future in futures:
-        future.result()
+    functions[rows.dtype](
+        coef.data_ptr(),
+        coef.stride(0),
+        tokens,
+        n,
+        rows.data_ptr(),
+        rows.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        rows.shape[1],
+    )
 
 
 def torch_mm(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
@@ -131,7 +116,6 @@ class ColumnProduct:
 
     decode: str
     prefill: str
-    threads: int
     timings_ms: dict[str, dict[str, float]]
 
     def __call__(self, out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
@@ -140,7 +124,7 @@ class ColumnProduct:
         name = self.decode if coef.shape[0] <= DECODE_MAX_TOKENS else self.prefill
         if rows.device.type != "cpu" and name == "native":
             name = "torch"
-        _run(name, out, coef, rows, self.threads)
+        _run(name, out, coef, rows)
 
     @classmethod
     def measure(cls, dtype: torch.dtype, width: int, density: float = 1.0) -> ColumnProduct:
@@ -150,9 +134,9 @@ class ColumnProduct:
         return _measure(dtype, width, torch.get_num_threads(), round(min(max(density, 0.05), 1.0) * 20) / 20)
 
 
-def _run(name: str, out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor, threads: int) -> None:
+def _run(name: str, out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
     if name == "native":
-        native(out, coef, rows, threads)
+        native(out, coef, rows)
     elif name == "torch":
         torch_mm(out, coef, rows)
     else:
@@ -161,6 +145,7 @@ def _run(name: str, out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor, t
 
 @functools.cache
 def _measure(dtype: torch.dtype, width: int, threads: int, density: float) -> ColumnProduct:
+    """`ColumnProduct.measure`, memoized per torch thread count too."""
     candidates = (
         ["native", "torch", "torch-fp32"] if _native_functions() is not None else ["torch", "torch-fp32"]
     )
@@ -175,10 +160,10 @@ def _measure(dtype: torch.dtype, width: int, threads: int, density: float) -> Co
         out = torch.zeros(tokens, width, dtype=torch.float32)
         timings[bucket] = {}
         for name in candidates:
-            call = functools.partial(_run, name, out, coef, rows, threads)
+            call = functools.partial(_run, name, out, coef, rows)
             timings[bucket][name] = 1e3 * _time(call)
         best[bucket] = min(timings[bucket], key=timings[bucket].get)
-    return ColumnProduct(best["decode"], best["prefill"], threads, timings)
+    return ColumnProduct(best["decode"], best["prefill"], timings)
 
 
 def _time(run: Callable[[], None], repeats: int = 5) -> float:
