@@ -66,6 +66,8 @@ def test_density_one_matches_dense(arch, cached_fraction, make_tiny_checkpoint, 
         torch.testing.assert_close(patched(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
     kwargs = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(patched.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+    # With room for every unit, the first step fills the caches and decoding then skips the reader.
+    assert streaming_mlps(patched)[0].runtime.every_unit_resident == (cached_fraction == 1)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

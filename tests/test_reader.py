@@ -22,6 +22,7 @@ from flashlm.store.reader import (
     StoreReader,
     break_even_gap_bytes,
     plan_reads,
+    row_matrix,
     split_chunks,
 )
 from flashlm.store.rowfile import RowFile
@@ -351,3 +352,36 @@ def test_bytes_read_agrees_with_proc_io(direct_dir: Path) -> None:
     if kernel == 0:
         pytest.skip("this kernel does not account O_DIRECT reads in /proc/self/io (read_bytes stayed 0)")
     assert reader.bytes_read == pytest.approx(kernel, rel=0.10)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("first", [0, 1, 37, 99, 100])
+def test_read_range_lands_rows_in_place(direct_dir: Path, direct: bool, first: int) -> None:
+    """Rows `first..` land at their own rows of a `row_matrix`; the rows before stay as they were but
+    for the block the aligned read shares with row `first - 1` (O_DIRECT reads whole blocks)."""
+    f, data = make_file(direct_dir, 100, 333)  # 666-byte rows: blocks straddle rows, the file ends mid-block
+    matrix = row_matrix(100, 333, torch.bfloat16)
+    matrix.fill_(7.0)
+    with StoreReader({"m": f}, direct_io=direct) as reader:
+        reader.read_range("m", first, matrix)
+        assert reader.mode == ("direct" if direct else "buffered")
+        assert torch.equal(matrix[first:], data[first:])
+        untouched = first - 1 if direct and first else first
+        assert bool((matrix[:untouched] == 7.0).all())
+        expected = (100 - first) * f.row_bytes
+        if direct and first < 100:
+            start = (f.data_offset + first * f.row_bytes) // ALIGNMENT * ALIGNMENT
+            end = -(-(f.data_offset + 100 * f.row_bytes) // ALIGNMENT) * ALIGNMENT
+            expected = min(end, os.path.getsize(f.path)) - start
+        assert reader.bytes_read == expected
+
+
+def test_read_range_rejects_what_it_cannot_fill(direct_dir: Path) -> None:
+    f, _ = make_file(direct_dir, 10, 64)
+    with StoreReader({"m": f}, direct_io=True) as reader:
+        with pytest.raises(ValueError, match="row_matrix"):
+            reader.read_range("m", 0, torch.empty(10, 32, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="not rows of"):
+            reader.read_range("m", 11, row_matrix(10, 64, torch.bfloat16))
+        with pytest.raises(ValueError, match="page-aligned"):
+            reader.read_range("m", 0, row_matrix(11, 64, torch.bfloat16)[1:])

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 import flashlm
+import flashlm.patches.sparse as sparse_module
 from flashlm.calibration import Calibration
 from flashlm.errors import BudgetTooSmallError, ConfigError
 from flashlm.patches import CATSMLP, DIPMLP, SparseMLP, StreamingMLP, reads_ahead
@@ -349,6 +350,41 @@ def test_cache_split_between_kinds(split, tiny_llama) -> None:
             )
     runtime = streaming_mlps(model)[0].runtime
     assert runtime.plan.total_bytes <= runtime.budget_bytes
+
+
+def test_float32_slots_hold_converted_rows_within_the_budget(make_tiny_checkpoint, tmp_path, monkeypatch):
+    """Where fp32 rows multiply faster (`slot_dtype`'s measurement), DIP's caches hold rows converted on
+    admission: same selections and outputs up to bf16 rounding, half the units for the same bytes."""
+    path = make_tiny_checkpoint("llama", dtype=torch.bfloat16)
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(13))
+    options = {"method": "dip", "density": 0.5, "input_density": 0.5, "store": str(tmp_path / "store")}
+    with pytest.raises(BudgetTooSmallError) as info:
+        AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=flashlm.FlashConfig(memory_budget=1, **options)
+        )
+    budget = info.value.minimum_bytes + 40_000  # about half of both caches' bf16 rows
+    runs = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        monkeypatch.setattr(sparse_module, "slot_dtype", lambda store_dtype, width, dtype=dtype: dtype)
+        config = flashlm.FlashConfig(memory_budget=budget, **options)
+        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
+        with torch.no_grad():
+            runs[dtype] = model.generate(
+                ids,
+                max_new_tokens=4,
+                do_sample=False,
+                pad_token_id=0,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+        module = streaming_mlps(model)[0]
+        assert module.input_cache.rows.dtype == module.output_cache.rows.dtype == dtype
+        snapshot = flashlm.stats(model)
+        assert snapshot.resident_bytes <= snapshot.budget_bytes
+        runs[dtype].capacity = module.input_cache.capacity
+    assert runs[torch.float32].capacity < runs[torch.bfloat16].capacity
+    for a, b in zip(runs[torch.bfloat16].logits, runs[torch.float32].logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("options", [{"cache_aware": 1.0}, {"cache_aware": 0.2}])

@@ -157,7 +157,7 @@ def replace_mlps(model: nn.Module, store: Store, config: FlashConfig) -> FlashRu
     with torch.device("cpu"):
         if sparse:
             read_ahead = (cls.INPUT_KIND,) if reads_ahead(config, store, calibration) else ()
-            runtime = FlashRuntime(store, config, kinds, read_ahead)
+            runtime = FlashRuntime(store, config, kinds, read_ahead, cls.slot_dtypes(store))
         else:
             runtime = FlashRuntime(store, config)
         for layer, owner_name, owner in owners:

@@ -69,6 +69,7 @@ class FlashRuntime:
         config: FlashConfig,
         kinds: tuple[str, ...] | None = None,
         read_ahead: tuple[str, ...] | None = None,
+        slot_dtypes: dict[str, torch.dtype] | None = None,
     ) -> None:
         self.store = store
         self.config = config
@@ -76,6 +77,8 @@ class FlashRuntime:
         kinds = dense_kinds(store.gated) if dense else kinds
         read_ahead = (kinds if dense else ()) if read_ahead is None else read_ahead
         self.kinds = kinds
+        self.slot_dtypes = {kind: (slot_dtypes or {}).get(kind, store.dtype) for kind in kinds}
+        """The dtype each kind's cache holds its rows in (`ops.columns.slot_dtype`; default the store's)."""
         row_files = {
             (layer, kind): store.row_file(layer, kind) for layer in range(store.num_layers) for kind in kinds
         }
@@ -105,7 +108,7 @@ class FlashRuntime:
         self._cache_keys = list(row_files)
         self.plan: BudgetPlan = split_budget(
             self.budget_bytes,
-            unit_bytes=[row_files[key].row_bytes for key in self._cache_keys],
+            unit_bytes=[row_files[key].width * self.slot_dtypes[key[1]].itemsize for key in self._cache_keys],
             num_units=[row_files[key].rows for key in self._cache_keys],
             overhead_bytes=staging_bytes + self.reader.buffer_bytes,
             policy=self._policy_name,
@@ -156,7 +159,7 @@ class FlashRuntime:
             num_units,
             self.plan.capacities[self._cache_keys.index((layer, kind))],
             self.store.row_file(layer, kind).width,
-            self.store.dtype,
+            self.slot_dtypes[kind],
             policy,
             device=torch.device("cpu"),
         )

@@ -85,3 +85,16 @@ DEFINE_COLUMNS(flashlm_columns_f32, float, f32_to_float)
 DEFINE_PARALLEL(flashlm_columns_bf16, uint16_t)
 DEFINE_PARALLEL(flashlm_columns_f16, _Float16)
 DEFINE_PARALLEL(flashlm_columns_f32, float)
+
+/* Evict [p, p + nbytes) from every cache level, so the next product reads it from memory as a decode
+ * step does (the caches of a streamed model hold far more than the CPU's caches). x86 only; elsewhere a
+ * no-op, and the measurement is of cache-resident rows. */
+void flashlm_flush(const char *p, int64_t nbytes) {
+#if defined(__x86_64__) || defined(__i386__)
+    for (int64_t i = 0; i < nbytes; i += 64) __builtin_ia32_clflush(p + i);
+    __builtin_ia32_mfence();
+#else
+    (void)p;
+    (void)nbytes;
+#endif
+}

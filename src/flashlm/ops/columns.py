@@ -57,7 +57,17 @@ def _native_functions() -> dict[torch.dtype, Callable] | None:
         function.argtypes = [_P, _I, _I, _I, _P, _I, _P, _I, _I]
         function.restype = None
         functions[dtype] = function
+    library.flashlm_flush.argtypes = [_P, _I]
+    library.flashlm_flush.restype = None
+    functions["flush"] = library.flashlm_flush
     return functions
+
+
+def _flush(tensor: torch.Tensor) -> None:
+    """Evict `tensor` from the CPU caches (where the native library exists and the CPU allows)."""
+    functions = _native_functions()
+    if functions is not None:
+        functions["flush"](tensor.data_ptr(), tensor.numel() * tensor.element_size())
 
 
 def _check(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
@@ -134,6 +144,28 @@ class ColumnProduct:
         return _measure(dtype, width, torch.get_num_threads(), round(min(max(density, 0.05), 1.0) * 20) / 20)
 
 
+def slot_dtype(dtype: torch.dtype, width: int) -> torch.dtype:
+    """The dtype a cache of column units of `width` should hold its rows in: the store's `dtype`, or
+    float32 when rows converted once (on admission) multiply faster here than rows converted as they
+    are read — which a CPU without bf16 arithmetic might do, though a one-token product reads every
+    byte once and fp32 rows are twice the bytes. Timed once per (dtype, width) on one token's product."""
+    return _slot_dtype(dtype, width, torch.get_num_threads())
+
+
+@functools.cache
+def _slot_dtype(dtype: torch.dtype, width: int, threads: int) -> torch.dtype:
+    if dtype == torch.float32:
+        return dtype
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(SAMPLE_ROWS, width, generator=generator, dtype=torch.float32)
+    coef = torch.randn(1, SAMPLE_ROWS, generator=generator, dtype=torch.float32)
+    out = torch.zeros(1, width, dtype=torch.float32)
+    name = "native" if _native_functions() is not None else "torch"
+    stored = _time(functools.partial(_run, name, out, coef, rows.to(dtype)), cold=rows.to(dtype))
+    converted = _time(functools.partial(_run, name, out, coef, rows), cold=rows)
+    return torch.float32 if converted < stored else dtype
+
+
 def _run(name: str, out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
     if name == "native":
         native(out, coef, rows)
@@ -161,16 +193,19 @@ def _measure(dtype: torch.dtype, width: int, threads: int, density: float) -> Co
         timings[bucket] = {}
         for name in candidates:
             call = functools.partial(_run, name, out, coef, rows)
-            timings[bucket][name] = 1e3 * _time(call)
+            # One token's product reads rows the CPU caches no longer hold; a prompt's reuses them.
+            timings[bucket][name] = 1e3 * _time(call, cold=rows if tokens == 1 else None)
         best[bucket] = min(timings[bucket], key=timings[bucket].get)
     return ColumnProduct(best["decode"], best["prefill"], timings)
 
 
-def _time(run: Callable[[], None], repeats: int = 5) -> float:
-    """Median seconds of `run` after one warm-up call."""
+def _time(run: Callable[[], None], repeats: int = 5, cold: torch.Tensor | None = None) -> float:
+    """Median seconds of `run` after one warm-up call; `cold` is evicted from the CPU caches first."""
     run()
     samples = []
     for _ in range(repeats):
+        if cold is not None:
+            _flush(cold)
         started = time.perf_counter()
         run()
         samples.append(time.perf_counter() - started)

@@ -49,6 +49,7 @@ from torch import nn
 from ..cache import NeuronCache
 from ..calibration import CalibrationMissingError
 from ..ops import ColumnProduct
+from ..ops.columns import slot_dtype
 from ..store.reader import DEFAULT_MERGE_GAP_BYTES
 from .base import FlashMLP, register_method
 from .masking import cache_aware_scores, threshold_mask, topk_mask, union_ids
@@ -134,6 +135,14 @@ class SparseMLP(FlashMLP):
 
     INPUT_KIND: str
     OUTPUT_KIND: str
+
+    COLUMN_KINDS: tuple[str, ...] = ()
+    """Kinds whose every row is a column unit (a cache of them may hold fp32 rows, `slot_dtypes`)."""
+
+    @classmethod
+    def slot_dtypes(cls, store: Store) -> dict[str, torch.dtype]:
+        """The dtype each column kind's cache holds, measured here (`ops.columns.slot_dtype`)."""
+        return {kind: slot_dtype(store.dtype, store.row_file(0, kind).width) for kind in cls.COLUMN_KINDS}
 
     def column_products_needed(self) -> dict[int, float]:
         """Width of each column product the method computes (a sum over units of `coef * row`) and the
@@ -400,6 +409,7 @@ class DIPMLP(SparseMLP):
 
     INPUT_KIND = "dip_in"
     OUTPUT_KIND = "dip_down"
+    COLUMN_KINDS = ("dip_in", "dip_down")
 
     def column_products_needed(self) -> dict[int, float]:
         # a dip_in row (up and gate columns), a down column

@@ -1,0 +1,113 @@
+"""The column product (`flashlm.ops.columns`): every implementation against a float64 reference, the
+native kernel's zero skipping, strides and determinism, and the measured choices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashlm.ops import columns
+from flashlm.ops.columns import ColumnProduct, native, slot_dtype
+
+needs_native = pytest.mark.skipif(
+    columns._native_functions() is None, reason="no C compiler here: the native column kernel is not built"
+)
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def operands(tokens: int, n: int, width: int, dtype: torch.dtype, *, pad: int = 5, zero_rows: int = 0):
+    """(out, coef, rows): rows a strided view (row stride width + pad), the first `zero_rows` rows'
+    coefficients zero for every token."""
+    g = torch.Generator().manual_seed(tokens * 1000 + n)
+    rows = torch.randn(n, width + pad, generator=g).to(dtype)[:, :width]
+    coef = torch.randn(tokens, n, generator=g)
+    coef[:, :zero_rows] = 0
+    out = torch.randn(tokens, width, generator=g)
+    return out, coef, rows
+
+
+def reference(out, coef, rows) -> torch.Tensor:
+    return (out.double() + coef.double() @ rows.double()).float()
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "n", "width"), [(1, 37, 100), (3, 300, 1000), (40, 64, 17), (1, 0, 8)])
+def test_native_matches_the_reference(dtype, tokens, n, width) -> None:
+    out, coef, rows = operands(tokens, n, width, dtype, zero_rows=n // 3)
+    expected = reference(out, coef, rows)
+    native(out, coef, rows)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+@needs_native
+def test_native_skips_rows_whose_coefficients_are_all_zero() -> None:
+    """A row of NaNs with zero coefficients never reaches the output: it is not read."""
+    out, coef, rows = operands(2, 50, 64, torch.float32, zero_rows=10)
+    rows[3] = float("nan")
+    expected = reference(out, coef[:, 10:], rows[10:])
+    native(out, coef, rows)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+@needs_native
+def test_native_is_the_same_on_any_number_of_threads() -> None:
+    """Columns are split between threads, each output summed over rows in order: bit-identical."""
+    out, coef, rows = operands(1, 2048, 1024, torch.bfloat16, zero_rows=100)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            target = out.clone()
+            native(target, coef, rows)
+            results.append(target)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+@needs_native
+def test_native_rejects_operands_it_cannot_read() -> None:
+    out, coef, rows = operands(1, 8, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="float32"):
+        native(out.bfloat16(), coef, rows)
+    with pytest.raises(ValueError, match="unit column stride"):
+        native(out, coef, rows.T.contiguous().T)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        native(out, coef[:, :4], rows)
+
+
+@pytest.mark.parametrize("name", ["torch", "torch-fp32"])
+def test_torch_paths_match_the_reference(name) -> None:
+    out, coef, rows = operands(3, 700, 50, torch.bfloat16)  # 700 rows: several fp32 chunks
+    expected = reference(out, coef, rows)
+    columns._run(name, out, coef, rows)
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-1)  # torch's bf16 path rounds coef
+
+
+def test_measure_picks_a_timed_implementation_for_each_bucket() -> None:
+    product = ColumnProduct.measure(torch.bfloat16, 96, density=0.5)
+    for bucket in ("decode", "prefill"):
+        timings = product.timings_ms[bucket]
+        chosen = getattr(product, bucket)
+        assert chosen in timings and timings[chosen] == min(timings.values())
+    out, coef, rows = operands(2, 40, 96, torch.bfloat16)
+    expected = reference(out, coef, rows)
+    product(out, coef, rows)
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-1)
+
+
+def test_without_the_native_kernel_torch_is_measured_alone(monkeypatch) -> None:
+    monkeypatch.setattr(columns, "_native_functions", lambda: None)
+    columns._measure.cache_clear()
+    try:
+        product = ColumnProduct.measure(torch.bfloat16, 80)
+        assert set(product.timings_ms["decode"]) == {"torch", "torch-fp32"}
+    finally:
+        columns._measure.cache_clear()
+
+
+def test_slot_dtype_is_the_stores_or_float32() -> None:
+    assert slot_dtype(torch.float32, 64) == torch.float32
+    assert slot_dtype(torch.bfloat16, 64) in (torch.bfloat16, torch.float32)
