@@ -1,13 +1,15 @@
-"""The column product (`flashlm.ops.columns`): every implementation against a float64 reference, the
-native kernel's zero skipping, strides and determinism, and the measured choices."""
+"""The C operators: the column product (`flashlm.ops.columns`), every implementation against a float64
+reference, the native kernel's zero skipping, strides and determinism, and the measured choices; the
+per-token top-k masks (`flashlm.ops.select`) against a tie-stable sort."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flashlm.ops import columns
+from flashlm.ops import columns, select
 from flashlm.ops.columns import ColumnProduct, native, slot_dtype
+from flashlm.patches.masking import cache_aware_scores, magnitude_topk, topk_mask
 
 needs_native = pytest.mark.skipif(
     columns._native_functions() is None, reason="no C compiler here: the native column kernel is not built"
@@ -111,3 +113,50 @@ def test_without_the_native_kernel_torch_is_measured_alone(monkeypatch) -> None:
 def test_slot_dtype_is_the_stores_or_float32() -> None:
     assert slot_dtype(torch.float32, 64) == torch.float32
     assert slot_dtype(torch.bfloat16, 64) in (torch.bfloat16, torch.float32)
+
+
+# ---- per-token top-k masks (flashlm.ops.select) ----------------------------------------------------
+
+needs_select = pytest.mark.skipif(
+    select._functions() is None, reason="no C compiler here: the selection kernel is not built"
+)
+
+
+def reference_topk(x: torch.Tensor, k: int, resident: torch.Tensor | None, gamma: float) -> torch.Tensor:
+    """The k largest |x| * weight of each row by `masking.topk_mask` (ties to the lowest index)."""
+    scores = x.float().abs() * (1.0 if resident is None else torch.where(resident, 1.0, gamma))
+    return topk_mask(scores, k)
+
+
+@needs_select
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("tokens", "n", "k"), [(1, 1536, 922), (7, 300, 1), (5, 64, 64), (3, 40, 0), (2, 9, 4)]
+)
+@pytest.mark.parametrize("gamma", [1.0, 0.2, 0.0])
+def test_topk_mask_is_the_tie_stable_top_k(dtype, tokens, n, k, gamma) -> None:
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(tokens, n, generator=g).to(dtype)
+    x[:, : n // 4] = x[:, n // 4 : 2 * (n // 4)]  # plenty of exact ties
+    resident = None if gamma == 1 else torch.rand(n, generator=g) < 0.5
+    mask = select.topk_mask(x, k, resident, gamma)
+    assert torch.equal(mask, reference_topk(x, k, resident, gamma))
+    assert bool((mask.sum(-1) == k).all())
+
+
+@needs_select
+def test_magnitude_topk_is_equation_10s_selection_without_ties() -> None:
+    """Leaving out eq. 10's division by max|x| keeps the same units (distinct fp32 magnitudes)."""
+    x = torch.randn(4, 500, generator=torch.Generator().manual_seed(2))
+    resident = torch.rand(500, generator=torch.Generator().manual_seed(3)) < 0.3
+    expected = topk_mask(cache_aware_scores(x, resident, 0.2), 123)
+    assert torch.equal(magnitude_topk(x, 123, resident, 0.2), expected)
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.5, 0.0])
+def test_magnitude_topk_is_the_same_without_the_c_kernel(monkeypatch, gamma) -> None:
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)).bfloat16()  # bf16: ties
+    resident = torch.rand(64, generator=torch.Generator().manual_seed(5)) < 0.5
+    fast = magnitude_topk(x, 20, resident, gamma)
+    monkeypatch.setattr(select, "_functions", lambda: None)
+    assert torch.equal(magnitude_topk(x, 20, resident, gamma), fast)

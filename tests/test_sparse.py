@@ -102,6 +102,10 @@ def reference_mlp(module: SparseMLP, weights, x, resident_in, resident_out) -> t
     gate, up, down = weights
     act = module.act
     outs = []
+
+    def keep_top(scores: torch.Tensor, k: int) -> torch.Tensor:
+        return topk_mask(scores[None], k)[0]  # ties to the lowest unit id, as the modules keep them
+
     for token in x:
         if isinstance(module, DIPMLP) and module.method == "dip":
             if module.input_threshold is not None:
@@ -109,30 +113,25 @@ def reference_mlp(module: SparseMLP, weights, x, resident_in, resident_out) -> t
             else:
                 c = resident_in.float()
                 scores = token.abs() * (c + module.gamma * (1 - c)) / token.abs().max()
-                keep_in = torch.zeros_like(token, dtype=torch.bool)
-                keep_in[scores.topk(module.k_in).indices] = True
+                keep_in = keep_top(scores, module.k_in)
             xt = token * keep_in
             h = (up @ xt) * act(gate @ xt)
             c = resident_out.float()
             scores = h.abs() * (c + module.gamma * (1 - c)) / h.abs().max()
-            keep = torch.zeros_like(h, dtype=torch.bool)
-            keep[scores.topk(module.k_out).indices] = True
+            keep = keep_top(scores, module.k_out)
         elif module.method == "glu":
             h = (up @ token) * act(gate @ token)
-            keep = torch.zeros_like(h, dtype=torch.bool)
-            keep[h.abs().topk(module.k_out).indices] = True
+            keep = keep_top(h.abs(), module.k_out)
         elif module.method == "up":
             u = up @ token
-            keep = torch.zeros_like(u, dtype=torch.bool)
-            keep[u.abs().topk(module.k_out).indices] = True
+            keep = keep_top(u.abs(), module.k_out)
             h = u * act(gate @ token)
         else:  # gate, cats
             g = act(gate @ token)
             if isinstance(module, CATSMLP):
                 keep = g.abs() > module.threshold
             else:
-                keep = torch.zeros_like(g, dtype=torch.bool)
-                keep[g.abs().topk(module.k_out).indices] = True
+                keep = keep_top(g.abs(), module.k_out)
             h = g * (up @ token)
         outs.append(down @ (h * keep))
     return torch.stack(outs)

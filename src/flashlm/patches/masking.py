@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import torch
 
+from ..ops import select
+
 
 def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the `k` largest `scores` of each row (the paper's per-token topK)."""
+    """Keep the `k` largest `scores` of each row (the paper's per-token topK); equal scores are kept
+    lowest index first, so the mask is a function of the scores (bf16 activations tie often)."""
     if not 0 <= k <= scores.shape[-1]:
         raise ValueError(f"k must be in [0, {scores.shape[-1]}], got {k}.")
-    mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-    return mask.scatter_(-1, scores.topk(k, dim=-1, sorted=False).indices, True)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, order, True)
 
 
 def cache_aware_scores(x: torch.Tensor, resident: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -28,6 +31,27 @@ def cache_aware_scores(x: torch.Tensor, resident: torch.Tensor, gamma: float) ->
     weight = torch.where(resident, 1.0, float(gamma)).to(magnitude.device)
     norm = magnitude.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     return magnitude * weight / norm
+
+
+def magnitude_topk(
+    x: torch.Tensor, k: int, resident: torch.Tensor | None = None, gamma: float = 1.0
+) -> torch.Tensor:
+    """The `k` units of largest `|x|` per token, or with `resident` and `gamma < 1` of largest eq. 10
+    score (DIP-CA): `topk_mask(cache_aware_scores(x, resident, gamma), k)` but for eq. 10's division
+    by `max|x|`, which scales a whole row and so selects the same units.
+
+    On the CPU a C radix select computes it (`flashlm.ops.select`); elsewhere, or without the C
+    library, torch ops.
+    """
+    weighted = resident is not None and gamma != 1
+    if x.dim() == 2:
+        mask = select.topk_mask(x, k, resident if weighted else None, gamma)
+        if mask is not None:
+            return mask
+    scores = x.abs().float()
+    if weighted:
+        scores = scores * torch.where(resident, 1.0, float(gamma)).to(scores.device)
+    return topk_mask(scores, k)
 
 
 def threshold_mask(values: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -52,7 +52,7 @@ from ..ops import ColumnProduct
 from ..ops.columns import slot_dtype
 from ..store.reader import DEFAULT_MERGE_GAP_BYTES
 from .base import FlashMLP, register_method
-from .masking import cache_aware_scores, threshold_mask, topk_mask, union_ids
+from .masking import magnitude_topk, threshold_mask, union_ids
 
 if TYPE_CHECKING:
     from ..calibration import Calibration
@@ -208,7 +208,7 @@ class SparseMLP(FlashMLP):
 
     def select_output(self, a: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:
         """`[T, d_ff]` mask of the stage-2 units each token keeps, from its stage-1 activation `a`."""
-        return topk_mask(a.abs(), self.k_out)
+        return magnitude_topk(a, self.k_out)
 
     def compute_output(
         self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts
@@ -228,6 +228,16 @@ class SparseMLP(FlashMLP):
         times = _StageTimes()
         sequential = tokens > 1 and runtime.config.sequential_prefill
 
+        early = None
+        if tokens > 1 and not sequential:
+            # Many tokens need about every unit of the second stage too: read its uncached ones now,
+            # behind the first stage's work, rather than after the first stage selects them.
+            started = perf_counter()
+            runtime.settle(self.layer, self.OUTPUT_KIND)
+            uncached, _ = runtime.uncached(self.layer, self.OUTPUT_KIND)
+            early = runtime.submit(self.layer, self.OUTPUT_KIND, uncached)
+            times.submit_s += perf_counter() - started
+
         in_mask, in_parts, finish_in = self._stage(
             self.INPUT_KIND, self.input_cache, self.select_input, x, times, sequential
         )
@@ -235,7 +245,7 @@ class SparseMLP(FlashMLP):
         finish_in()
 
         out_mask, out_parts, finish_out = self._stage(
-            self.OUTPUT_KIND, self.output_cache, self.select_output, a, times, sequential
+            self.OUTPUT_KIND, self.output_cache, self.select_output, a, times, sequential, early
         )
         out = self._timed(times, lambda: self.compute_output(x, a, out_mask, out_parts))
         finish_out()
@@ -277,9 +287,17 @@ class SparseMLP(FlashMLP):
         return result
 
     def _stage(
-        self, kind, cache: NeuronCache, select, values: torch.Tensor, times: _StageTimes, sequential: bool
+        self,
+        kind,
+        cache: NeuronCache,
+        select,
+        values: torch.Tensor,
+        times: _StageTimes,
+        sequential: bool,
+        early: Future[Fetch] | None = None,
     ):
-        """Select (`select(values, residency)`), look up and read one stage's units.
+        """Select (`select(values, residency)`), look up and read one stage's units (`early`: a read of
+        every uncached unit, already submitted).
 
         Returns (mask, parts, finish); `finish()` updates the cache once the stage's rows are no
         longer needed (the staging buffer is reused by the next layer).
@@ -294,9 +312,11 @@ class SparseMLP(FlashMLP):
         selected = perf_counter()
         miss_ids = cache.find_misses(ids)
         looked_up = perf_counter()
-        if kind in runtime.read_ahead:
+        if early is not None:
+            pending: Future[LayerFetch] | Future[Fetch] = early
+        elif kind in runtime.read_ahead:
             # Every uncached unit, needed or not: the unneeded ones get zero coefficients.
-            pending: Future[LayerFetch] | Future[Fetch] = runtime.read_layer(layer)
+            pending = runtime.read_layer(layer)
         else:
             pending = runtime.submit(layer, kind, miss_ids)
         submitted = perf_counter()
@@ -428,7 +448,7 @@ class DIPMLP(SparseMLP):
     def select_input(self, x: torch.Tensor, resident: torch.Tensor) -> torch.Tensor | None:
         if self.input_threshold is not None:
             return threshold_mask(x, self.input_threshold)
-        return topk_mask(cache_aware_scores(x, resident, self.gamma), self.k_in)
+        return magnitude_topk(x, self.k_in, resident, self.gamma)
 
     def compute_input(self, x: torch.Tensor, mask: torch.Tensor | None, parts: Parts) -> torch.Tensor:
         # dip_in row i: up[:, i] | gate[:, i]; rounded to the model's dtype as its projections are
@@ -436,7 +456,7 @@ class DIPMLP(SparseMLP):
         return up_gate[:, : self.d_ff] * self.act(up_gate[:, self.d_ff :])
 
     def select_output(self, a: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:
-        return topk_mask(cache_aware_scores(a, resident, self.gamma), self.k_out)
+        return magnitude_topk(a, self.k_out, resident, self.gamma)
 
     def compute_output(
         self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts
@@ -455,7 +475,7 @@ class GLUPruningMLP(DIPMLP):
         return None
 
     def select_output(self, a: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:
-        return topk_mask(a.abs(), self.k_out)
+        return magnitude_topk(a, self.k_out)
 
 
 @register_method("up")

@@ -1,0 +1,88 @@
+/* Per-token top-k masks on the CPU: DIP's selections (eqs. 7-8, and eq. 10's cache-aware weights).
+ *
+ * Built on first use by flashlm._native; flashlm.ops.select is the caller, with a torch fallback.
+ *
+ *   mask[t, j] = 1 for the k largest scores of row t, score[t, j] = |x[t, j]| * (resident[j] ? 1 : gamma)
+ *
+ * DIP-CA divides the scores by max|x| (eq. 10); a positive factor per row does not change which are
+ * the largest, so it is left out. Scores are non-negative floats, whose bit patterns order as unsigned
+ * integers: a radix select over the bits (11, 11 and 10 at a time) finds the k-th largest in three
+ * passes over the row, O(n) where a sort is O(n log n). Elements equal to it are kept lowest index
+ * first, so each row keeps exactly k. Rows are split between torch's OpenMP threads.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t v) {
+    union { uint32_t u; float f; } x;
+    x.u = (uint32_t)v << 16;
+    return x.f;
+}
+static inline float f16_to_float(_Float16 v) { return (float)v; }
+static inline float f32_to_float(float v) { return v; }
+
+static inline uint32_t bits_of(float f) {
+    union { float f; uint32_t u; } x;
+    x.f = f;
+    return x.u;
+}
+
+/* The largest value v such that at least k of keys[0..n) are >= v (keys non-negative float bits). */
+static uint32_t kth_largest(const uint32_t *keys, int64_t n, int64_t k) {
+    static const int shifts[3] = {21, 10, 0};
+    static const uint32_t widths[3] = {2048, 2048, 1024};
+    uint32_t prefix = 0, prefix_mask = 0;
+    int64_t above = 0; /* elements known to be larger than every candidate */
+    for (int pass = 0; pass < 3; pass++) {
+        int64_t hist[2048];
+        memset(hist, 0, sizeof(hist));
+        const int shift = shifts[pass];
+        const uint32_t bins = widths[pass];
+        for (int64_t j = 0; j < n; j++)
+            if ((keys[j] & prefix_mask) == prefix) hist[(keys[j] >> shift) & (bins - 1)]++;
+        int64_t bin = bins - 1;
+        for (; bin > 0 && above + hist[bin] < k; bin--) above += hist[bin];
+        prefix |= (uint32_t)bin << shift;
+        prefix_mask |= (bins - 1) << shift;
+    }
+    return prefix;
+}
+
+#define DEFINE_TOPK(NAME, ELEM, CONVERT)                                                              \
+    void NAME(const ELEM *x, int64_t ldx, int64_t T, int64_t n, const uint8_t *resident, float gamma,   \
+              int64_t k, uint8_t *mask, int64_t ldm) {                                               \
+        _Pragma("omp parallel if (T > 1)") {                                                         \
+            uint32_t *keys = malloc(sizeof(uint32_t) * (n > 0 ? n : 1));                             \
+            _Pragma("omp for schedule(static)") for (int64_t t = 0; t < T; t++) {                     \
+                const ELEM *row = x + t * ldx;                                                       \
+                uint8_t *out = mask + t * ldm;                                                       \
+                for (int64_t j = 0; j < n; j++) {                                                    \
+                    const float magnitude = fabsf(CONVERT(row[j]));                                  \
+                    keys[j] = bits_of(resident ? magnitude * (resident[j] ? 1.0f : gamma) : magnitude); \
+                }                                                                                    \
+                if (k <= 0) {                                                                        \
+                    memset(out, 0, n);                                                               \
+                    continue;                                                                        \
+                }                                                                                    \
+                const uint32_t threshold = kth_largest(keys, n, k);                                  \
+                int64_t kept = 0;                                                                    \
+                for (int64_t j = 0; j < n; j++) {                                                    \
+                    out[j] = keys[j] > threshold;                                                    \
+                    kept += out[j];                                                                  \
+                }                                                                                    \
+                for (int64_t j = 0; j < n && kept < k; j++)                                          \
+                    if (keys[j] == threshold) {                                                      \
+                        out[j] = 1;                                                                  \
+                        kept++;                                                                      \
+                    }                                                                                \
+            }                                                                                        \
+            free(keys);                                                                              \
+        }                                                                                            \
+    }
+
+DEFINE_TOPK(flashlm_topk_bf16, uint16_t, bf16_to_float)
+DEFINE_TOPK(flashlm_topk_f16, _Float16, f16_to_float)
+DEFINE_TOPK(flashlm_topk_f32, float, f32_to_float)
