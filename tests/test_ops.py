@@ -160,3 +160,16 @@ def test_magnitude_topk_is_the_same_without_the_c_kernel(monkeypatch, gamma) -> 
     fast = magnitude_topk(x, 20, resident, gamma)
     monkeypatch.setattr(select, "_functions", lambda: None)
     assert torch.equal(magnitude_topk(x, 20, resident, gamma), fast)
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["native", "torch", "torch-fp32"])
+def test_indexed_rows_are_read_where_they_lie(name) -> None:
+    """`coef @ rows[index]`: the native kernel reads the indexed rows in place, torch gathers them."""
+    out, coef, rows = operands(2, 200, 96, torch.bfloat16)
+    index = torch.nonzero(torch.rand(200, generator=torch.Generator().manual_seed(7)) < 0.4).squeeze(1)
+    coef = coef[:, : index.numel()].contiguous()
+    expected = reference(out, coef, rows[index])
+    product = ColumnProduct(decode=name, prefill=name, timings_ms={})
+    product(out, coef, rows, index)
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-1)

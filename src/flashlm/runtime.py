@@ -25,17 +25,12 @@ READER_BUFFER_CAP = 16 * 2**20
 
 @dataclass(frozen=True)
 class Fetch:
-    """One kind's missed units of a layer, read into a staging buffer: `rows[k]` is unit `ids[k]`.
-
-    `rows` is `buffer[start : start + len(ids)]`: a read of the units `start, start+1, ...` (every
-    unit a prefix-filled cache lacks) lands at their own positions, so the buffer's first rows can
-    take the cached ones and hold the layer's whole matrix in unit order.
-    """
+    """One kind's missed units of a layer, read in place into a staging matrix: `matrix[u]` is the row
+    of unit `u` for every `u` in `ids` (other rows hold whatever the read or earlier reads put there,
+    always rows of this kind's files, so finite)."""
 
     ids: torch.Tensor
-    rows: torch.Tensor
-    buffer: torch.Tensor
-    start: int
+    matrix: torch.Tensor
     bytes_read: int
     reads: int
     busy_s: float
@@ -51,10 +46,10 @@ class FlashRuntime:
     `kinds` are the unit kinds the model's method reads (default: dense streaming's, `dense_kinds`,
     both read ahead; a sparse method names one per stage). Each (layer, kind) gets a cache.
 
-    The budget covers everything flashlm allocates for streaming: the staging buffers (one layer's
-    units of a kind each: two for the kinds read a layer ahead, so the next layer's reads land while
-    this layer computes; one for any other kind), the reader's I/O buffer, and every cache's slots
-    and indices.
+    The budget covers everything flashlm allocates for streaming: the staging buffers (two per kind,
+    one layer's units each, so the next layer's reads land while this layer computes: dense streaming
+    reads every kind ahead, a sparse method its first stage, and both stages in a multi-token
+    forward), the reader's I/O buffer, and every cache's slots and indices.
 
     Reads run on one background thread (which fans out over the reader's pool), one at a time, so
     counters measured around a read belong to it alone. For the `read_ahead` kinds (dense
@@ -99,7 +94,7 @@ class FlashRuntime:
         self.staging = {
             kind: [
                 row_matrix(store.row_file(0, kind).rows, store.row_file(0, kind).width, store.dtype)
-                for _ in range(2 if kind in read_ahead else 1)
+                for _ in range(2)
             ]
             for kind in kinds
         }
@@ -120,19 +115,18 @@ class FlashRuntime:
             ),
         )
         self.caches: dict[tuple[int, str], NeuronCache] = {}
-        self._read_ahead_caches: list[list[NeuronCache]] = [[] for _ in range(self.num_layers)]
-        """Each layer's caches of the `read_ahead` kinds: a layer whose caches all hold every unit reads
-        nothing, and `read_layer` answers it without the I/O thread."""
         self.unit_ids = torch.arange(max(f.rows for f in row_files.values()))
         """0, 1, 2, ...: sliced for 'every unit of a layer' instead of allocating a range per step."""
-        self._nothing = [
-            self._finished({kind: self._empty_fetch(kind, buffer) for kind in read_ahead})
-            for buffer in range(2 if read_ahead else 0)
-        ]
+        self._nothing = {
+            (buffer, kinds): self._finished({kind: self._empty_fetch(kind, buffer) for kind in kinds})
+            for kinds in (read_ahead, self.kinds)
+            for buffer in range(2)
+        }
+        """Finished reads of nothing, for layers whose caches hold every unit (no I/O thread hop)."""
         self._io = ThreadPoolExecutor(1, thread_name_prefix="flashlm-prefetch")
         self._pending: Future[LayerFetch] | None = None
-        self._pending_for: tuple[int, int] | None = None
-        """(layer, buffer) of the read `_pending` is doing."""
+        self._pending_for: tuple[int, int, tuple[str, ...]] | None = None
+        """(layer, buffer, kinds) of the read `_pending` is doing."""
         self._updates: dict[tuple[int, str], Future[None]] = {}
         """The cache update each (layer, kind) has queued on the I/O thread (`update_later`)."""
         self.stats = StatsRecorder()
@@ -164,8 +158,6 @@ class FlashRuntime:
             device=torch.device("cpu"),
         )
         self.caches[(layer, kind)] = cache
-        if kind in self.read_ahead:
-            self._read_ahead_caches[layer].append(cache)
         return cache
 
     @property
@@ -180,23 +172,17 @@ class FlashRuntime:
         """Recompute `every_unit_resident` (after a cache admitted units)."""
         self.every_unit_resident = all(cache.size == cache.num_units for cache in self.caches.values())
 
-    def read(self, layer: int, kind: str, ids: torch.Tensor, buffer: int = 0, start: int = 0) -> Fetch:
-        """Read units `ids` of `layer`'s `kind` matrix now, into that kind's staging buffer `buffer`
-        from row `start` on."""
+    def read(self, layer: int, kind: str, ids: torch.Tensor, buffer: int = 0) -> Fetch:
+        """Read units `ids` of `layer`'s `kind` matrix now, in place into that kind's staging buffer
+        `buffer` (no gather: the reader's runs land at their own rows)."""
         staging = self.staging[kind][buffer]
-        rows = staging[start : start + ids.numel()]
         bytes_before, reads_before = self.reader.bytes_read, self.reader.reads_issued
         started = perf_counter()
-        if ids.numel() and start + ids.numel() == staging.shape[0] and int(ids[0]) == start:
-            # The rest of the matrix, in unit order, at its own rows: read in place.
-            self.reader.read_range((layer, kind), start, staging)
-        elif ids.numel():
-            self.reader.read((layer, kind), ids, rows)
+        if ids.numel():
+            self.reader.read_in_place((layer, kind), ids, staging)
         return Fetch(
             ids,
-            rows,
             staging,
-            start,
             self.reader.bytes_read - bytes_before,
             self.reader.reads_issued - reads_before,
             perf_counter() - started,
@@ -215,42 +201,51 @@ class FlashRuntime:
         if pending is not None:
             pending.result()
 
-    def uncached(self, layer: int, kind: str) -> tuple[torch.Tensor, int]:
-        """Ids of `layer`'s `kind` units not in its cache, ascending, and the staging row they go to:
-        their own position when the cache holds a prefix of the units in order (the misses are then
-        the rest, so they complete the matrix), else 0."""
+    def uncached(self, layer: int, kind: str) -> torch.Tensor:
+        """Ids of `layer`'s `kind` units not in its cache, ascending."""
         self.settle(layer, kind)
         cache = self.caches[(layer, kind)]
         if cache.holds_unit_prefix:
-            return self.unit_ids[cache.size : cache.num_units], cache.size
+            return self.unit_ids[cache.size : cache.num_units]
         ids = self.unit_ids[: cache.num_units]
-        return ids[cache.slot_of[ids] < 0], 0
+        return ids[cache.slot_of[ids] < 0]
 
-    def read_layer(self, layer: int) -> Future[LayerFetch]:
-        """Every uncached unit of `layer`'s `read_ahead` kinds: the read started a layer ahead when there
-        is one, else one started now. Then the next layer's read starts, in the other staging buffers."""
+    def read_layer(
+        self, layer: int, kinds: tuple[str, ...] | None = None, *, ahead: bool = True
+    ) -> Future[LayerFetch]:
+        """Every uncached unit of `layer`'s `kinds` (default: the `read_ahead` kinds): the read started
+        a layer ahead when there is one (completed with any kind it lacks), else one started now. Then,
+        with `ahead`, the same kinds of the next layer start reading, into the other staging buffers
+        (a caller whose next forward will not ask for them passes False: a read left waiting would go
+        stale as other reads reuse the buffers)."""
+        kinds = self.read_ahead if kinds is None else kinds
         pending, key, self._pending = self._pending, self._pending_for, None
         if pending is not None and key[0] == layer:
-            buffer = key[1]
+            buffer, missing = key[1], tuple(kind for kind in kinds if kind not in key[2])
+            if missing:
+                plan = {kind: self.uncached(layer, kind) for kind in missing}
+                done = pending
+                pending = self._io.submit(lambda: {**done.result(), **self._read_kinds(layer, plan, buffer)})
         else:
             if pending is not None:
                 pending.result()
             buffer = 0
-            pending = self._submit_layer(layer, buffer)
-        following = (layer + 1) % self.num_layers
-        self._pending = self._submit_layer(following, 1 - buffer)
-        self._pending_for = (following, 1 - buffer)
+            pending = self._submit_layer(layer, buffer, kinds)
+        if ahead:
+            following = (layer + 1) % self.num_layers
+            self._pending = self._submit_layer(following, 1 - buffer, kinds)
+            self._pending_for = (following, 1 - buffer, kinds)
         return pending
 
-    def _submit_layer(self, layer: int, buffer: int) -> Future[LayerFetch]:
-        if all(cache.size == cache.num_units for cache in self._read_ahead_caches[layer]):
-            return self._nothing[buffer]
-        plan = {kind: self.uncached(layer, kind) for kind in self.read_ahead}
+    def _submit_layer(self, layer: int, buffer: int, kinds: tuple[str, ...]) -> Future[LayerFetch]:
+        caches = [self.caches[(layer, kind)] for kind in kinds]
+        if all(cache.size == cache.num_units for cache in caches):
+            return self._nothing[(buffer, kinds)]
+        plan = {kind: self.uncached(layer, kind) for kind in kinds}
         return self._io.submit(self._read_kinds, layer, plan, buffer)
 
     def _empty_fetch(self, kind: str, buffer: int) -> Fetch:
-        staging = self.staging[kind][buffer]
-        return Fetch(self.unit_ids[:0], staging[:0], staging, 0, 0, 0, 0.0)
+        return Fetch(self.unit_ids[:0], self.staging[kind][buffer], 0, 0, 0.0)
 
     @staticmethod
     def _finished(result: object) -> Future:
@@ -258,8 +253,8 @@ class FlashRuntime:
         done.set_result(result)
         return done
 
-    def _read_kinds(self, layer: int, plan: dict[str, tuple[torch.Tensor, int]], buffer: int) -> LayerFetch:
-        return {kind: self.read(layer, kind, ids, buffer, start) for kind, (ids, start) in plan.items()}
+    def _read_kinds(self, layer: int, plan: dict[str, torch.Tensor], buffer: int) -> LayerFetch:
+        return {kind: self.read(layer, kind, ids, buffer) for kind, ids in plan.items()}
 
     def submit(self, layer: int, kind: str, ids: torch.Tensor) -> Future[Fetch]:
         """`read` on the I/O thread (staging buffer 0), or, with nothing to read, a finished one without

@@ -178,18 +178,20 @@ class NeuronCache(nn.Module):
         step: int,
         *,
         row_ids: torch.Tensor | None = None,
+        by_unit: bool = False,
     ) -> None:
         """End decode step `step`: record what it used, drop expired units, admit the misses it read.
 
         `used_ids` are all units the step needed (hits and misses); `miss_rows[i]` is the row of
-        `miss_ids[i]`, or, with `row_ids` (sorted, a superset of `miss_ids`: a read of more than the
-        misses), of `row_ids[i]`. Which misses are kept, and whom they displace, follows the
-        admission rule in the module docstring.
+        `miss_ids[i]`; with `row_ids` (sorted, a superset of `miss_ids`: a read of more than the
+        misses), of `row_ids[i]`; with `by_unit`, `miss_rows[u]` is the row of unit `u` (a staging
+        matrix read in place). Which misses are kept, and whom they displace, follows the admission
+        rule in the module docstring.
         """
         self.policy.record(used_ids, step)
         if self.size and self.policy.EXPIRES:
             self._delete(self.policy.expired(self.resident_ids, step))
-        self._admit(miss_ids, miss_rows, row_ids)
+        self._admit(miss_ids, miss_rows, None if by_unit else miss_ids if row_ids is None else row_ids)
 
     def preload(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Warm the cache with units `ids` (rows `rows`) under the admission rule; no hit/miss counted.
@@ -199,7 +201,7 @@ class NeuronCache(nn.Module):
         unless a step uses it.
         """
         order = torch.argsort(ids)
-        self._admit(ids[order], rows[order])
+        self._admit(ids[order], rows[order], ids[order])
 
     def clear(self) -> None:
         """Empty the cache and forget the policy's history (a new sequence starts); counters stay."""
@@ -209,9 +211,9 @@ class NeuronCache(nn.Module):
         self._unit_prefix = True
         self.policy.reset()
 
-    def _admit(self, ids: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor | None = None) -> None:
+    def _admit(self, ids: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor | None) -> None:
         """Admit the non-resident units among the sorted `ids`: free slots first, then displace weaker
-        residents. `rows[i]` is the row of `ids[i]`, or of `row_ids[i]` when given (see `update`).
+        residents. `rows[i]` is the row of unit `row_ids[i]`, or of unit `i` with `row_ids` None.
 
         Cheap paths first: candidates that all fit go into the free slots in unit order (no ranking);
         a full cache whose best candidate is no better than its weakest resident changes nothing (two
@@ -223,7 +225,7 @@ class NeuronCache(nn.Module):
         fresh = ids[self.slot_of[ids] < 0]
         free = self.capacity - self.size
         if fresh.numel() <= free:
-            self._append(fresh, rows, ids if row_ids is None else row_ids)
+            self._append(fresh, rows, row_ids)
             return
         weakest_resident = self.policy.priority(self.resident_ids).min() if free == 0 else None
         if weakest_resident is not None and self.policy.priority(fresh).max() <= weakest_resident:
@@ -240,13 +242,13 @@ class NeuronCache(nn.Module):
         if evicted.numel():
             slots = self.slot_of[evicted]
             self.slot_of[evicted] = -1
-            self._place(slots, entering[: evicted.numel()], rows, ids if row_ids is None else row_ids)
+            self._place(slots, entering[: evicted.numel()], rows, row_ids)
             self.counters.evictions += evicted.numel()
             self.counters.admissions += evicted.numel()
             self._unit_prefix = False
-        self._append(entering[evicted.numel() :], rows, ids if row_ids is None else row_ids)
+        self._append(entering[evicted.numel() :], rows, row_ids)
 
-    def _append(self, ids: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor) -> None:
+    def _append(self, ids: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor | None) -> None:
         """Put units `ids` (ascending) into the free slots after the occupied ones."""
         if ids.numel() == 0:
             return
@@ -259,11 +261,11 @@ class NeuronCache(nn.Module):
             self._unit_prefix = bool(ids[0] == first) and bool(ids[-1] == self.size - 1)
 
     def _place(
-        self, slots: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor
+        self, slots: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor | None
     ) -> None:
         """Write units `ids` into `slots`, their rows gathered from `rows` (row `i` holds unit
         `row_ids[i]`, ascending), and index them. Only the rows that enter are gathered."""
-        at = torch.searchsorted(row_ids.to(ids.device), ids)
+        at = ids if row_ids is None else torch.searchsorted(row_ids.to(ids.device), ids)
         self.rows[slots] = rows[at.to(rows.device)].to(device=self.rows.device, dtype=self.rows.dtype)
         self.slot_ids[slots] = ids
         self.slot_of[ids] = slots

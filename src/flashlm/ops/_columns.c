@@ -3,8 +3,10 @@
  *
  * Built on first use by flashlm._native; flashlm.ops.columns is the caller, with torch fallbacks.
  *
- *   out[t * ldo + j] += sum_k coef[t * ldc + k] * rows[k * ldr + j]    t < T, k < n, j0 <= j < j1
+ *   out[t * ldo + j] += sum_k coef[t * ldc + k] * rows[r(k) * ldr + j]    t < T, k < n, j < width
  *
+ * where r(k) = index[k], or k without an index (PowerInfer's gather-GEMV: the kept units' rows are
+ * wherever they lie, e.g. a staging matrix read in place, and are never copied together).
  * coef and out are float32; rows are bf16, fp16 or fp32, converted as they are read. Columns are
  * split between the threads of the OpenMP team (torch's own: this library links libgomp.so.1, which the
  * dynamic linker resolves to the copy torch has loaded, so no second pool spins against torch's), then
@@ -48,14 +50,18 @@ static inline int next_group(const float *coef, int64_t ldc, int64_t T, int64_t 
 
 #define DEFINE_COLUMNS(NAME, ELEM, CONVERT)                                                           \
     static void NAME##_range(const float *coef, int64_t ldc, int64_t T, int64_t n, const ELEM *rows,  \
-                             int64_t ldr, float *out, int64_t ldo, int64_t j0, int64_t j1) {          \
+                             int64_t ldr, const int64_t *index, float *out, int64_t ldo, int64_t j0,  \
+                             int64_t j1) {                                                           \
         for (int64_t b0 = j0; b0 < j1; b0 += BLOCK) {                                                \
             const int64_t len = (j1 - b0) < BLOCK ? (j1 - b0) : BLOCK;                               \
             int64_t group[GROUP], k = 0;                                                              \
             int g;                                                                                    \
             while ((g = next_group(coef, ldc, T, n, &k, group)) > 0) {                                \
                 const ELEM *r[GROUP];                                                                 \
-                for (int q = 0; q < GROUP; q++) r[q] = rows + group[q < g ? q : 0] * ldr + b0;       \
+                for (int q = 0; q < GROUP; q++) {                                                     \
+                    const int64_t k = group[q < g ? q : 0];                                           \
+                    r[q] = rows + (index ? index[k] : k) * ldr + b0;                                  \
+                }                                                                                     \
                 for (int64_t t = 0; t < T; t++) {                                                     \
                     float c[GROUP];                                                                   \
                     for (int q = 0; q < GROUP; q++) c[q] = q < g ? coef[t * ldc + group[q]] : 0.0f;   \
@@ -70,12 +76,12 @@ static inline int next_group(const float *coef, int64_t ldc, int64_t T, int64_t 
 
 #define DEFINE_PARALLEL(NAME, ELEM)                                                                   \
     void NAME(const float *coef, int64_t ldc, int64_t T, int64_t n, const ELEM *rows, int64_t ldr,    \
-              float *out, int64_t ldo, int64_t width) {                                               \
+              const int64_t *index, float *out, int64_t ldo, int64_t width) {                         \
         _Pragma("omp parallel if (n * width >= PARALLEL_MIN)") {                                      \
             const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();                    \
             const int64_t j0 = me == 0 ? 0 : width * me / team / ALIGN * ALIGN;                        \
             const int64_t j1 = me == team - 1 ? width : width * (me + 1) / team / ALIGN * ALIGN;       \
-            if (j1 > j0) NAME##_range(coef, ldc, T, n, rows, ldr, out, ldo, j0, j1);                   \
+            if (j1 > j0) NAME##_range(coef, ldc, T, n, rows, ldr, index, out, ldo, j0, j1);            \
         }                                                                                             \
     }
 

@@ -54,7 +54,7 @@ def _native_functions() -> dict[torch.dtype, Callable] | None:
     functions = {}
     for dtype, suffix in _SUFFIX.items():
         function = getattr(library, f"flashlm_columns_{suffix}")
-        function.argtypes = [_P, _I, _I, _I, _P, _I, _P, _I, _I]
+        function.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I, _I]
         function.restype = None
         functions[dtype] = function
     library.flashlm_flush.argtypes = [_P, _I]
@@ -70,23 +70,29 @@ def _flush(tensor: torch.Tensor) -> None:
         functions["flush"](tensor.data_ptr(), tensor.numel() * tensor.element_size())
 
 
-def _check(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
+def _check(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor, index: torch.Tensor | None) -> None:
     if out.dtype != torch.float32 or coef.dtype != torch.float32:
         raise ValueError(f"out and coef must be float32, got {out.dtype} and {coef.dtype}.")
     if rows.dim() != 2 or rows.stride(1) != 1 or coef.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError("rows, coef and out must be 2-D with unit column stride.")
-    if coef.shape[1] != rows.shape[0] or out.shape != (coef.shape[0], rows.shape[1]):
+    if index is not None and (index.dtype != torch.int64 or index.dim() != 1 or not index.is_contiguous()):
+        raise ValueError("index must be a contiguous 1-D int64 tensor.")
+    used = rows.shape[0] if index is None else index.numel()
+    if coef.shape[1] != used or out.shape != (coef.shape[0], rows.shape[1]):
         raise ValueError(
             f"out {tuple(out.shape)} += coef {tuple(coef.shape)} @ rows {tuple(rows.shape)}: shapes disagree."
         )
 
 
-def native(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
-    """`out += coef @ rows` with the C kernel (see module docstring), on CPU tensors."""
+def native(
+    out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor, index: torch.Tensor | None = None
+) -> None:
+    """`out += coef @ rows` (`coef @ rows[index]` with an index, without gathering) with the C kernel
+    (see module docstring), on CPU tensors."""
     functions = _native_functions()
     if functions is None:
         raise RuntimeError("The native column kernel is not available here (no C compiler, or disabled).")
-    _check(out, coef, rows)
+    _check(out, coef, rows, index)
     tokens, n = coef.shape
     if n == 0 or tokens == 0:
         return
@@ -97,6 +103,7 @@ def native(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
         n,
         rows.data_ptr(),
         rows.stride(0),
+        None if index is None else index.data_ptr(),
         out.data_ptr(),
         out.stride(0),
         rows.shape[1],
@@ -104,7 +111,7 @@ def native(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
 
 
 def torch_mm(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
-    """`out += coef @ rows` with torch's matmul in the rows' dtype."""
+    """`out += coef @ rows` with torch's matmul in the rows' dtype (rows gathered already)."""
     out += torch.mm(coef.to(rows.dtype), rows)
 
 
@@ -128,13 +135,20 @@ class ColumnProduct:
     prefill: str
     timings_ms: dict[str, dict[str, float]]
 
-    def __call__(self, out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
-        if rows.shape[0] == 0:
+    def __call__(
+        self, out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor, index: torch.Tensor | None = None
+    ) -> None:
+        """`out += coef @ rows`, or `coef @ rows[index]` (the native kernel reads the indexed rows where
+        they lie; torch's paths gather them first)."""
+        if coef.shape[1] == 0:
             return
         name = self.decode if coef.shape[0] <= DECODE_MAX_TOKENS else self.prefill
         if rows.device.type != "cpu" and name == "native":
             name = "torch"
-        _run(name, out, coef, rows)
+        if name == "native":
+            native(out, coef, rows, index)
+            return
+        _run(name, out, coef, rows if index is None else rows.index_select(0, index))
 
     @classmethod
     def measure(cls, dtype: torch.dtype, width: int, density: float = 1.0) -> ColumnProduct:

@@ -62,8 +62,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Parts = Iterable[tuple[torch.Tensor, torch.Tensor]]
-"""(rows, unit ids) pairs that together hold every unit a stage needs: cached rows and fresh reads."""
+Parts = Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+"""(matrix, unit ids, index) triples that together hold every unit a stage needs: the row of unit
+`ids[k]` is `matrix[index[k]]`, or `matrix[k]` without an index (cache slots; a staging matrix read in
+place is indexed by the unit ids themselves)."""
 
 
 @dataclass
@@ -95,12 +97,16 @@ class _Parts:
         kind: str,
         miss_ids: torch.Tensor,
         times: _StageTimes,
+        whole: torch.Tensor | None = None,
     ) -> None:
         self.cached = (cached_rows, cached_ids)
         self.pending = pending
         self.kind = kind
         self.miss_ids = miss_ids
         self.times = times
+        self.whole = whole
+        """Every unit id of the layer, when the read covers every uncached unit (a multi-token forward):
+        the cached rows then join the staging matrix and the stage is one product over all of it."""
         self._fetched: Fetch | None = None
 
     @property
@@ -115,11 +121,19 @@ class _Parts:
             self.times.reads += self._fetched.reads
         return self._fetched
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        if self.whole is not None:
+            matrix = self.fetched.matrix
+            rows, ids = self.cached
+            if ids.numel():
+                matrix.index_copy_(0, ids, rows.to(matrix.dtype))
+            yield matrix[: self.whole.numel()], self.whole, None
+            return
         if self.cached[1].numel():
-            yield self.cached
+            yield (*self.cached, None)
         if self.miss_ids.numel():
-            yield self.fetched.rows, self.fetched.ids  # the misses, or every uncached unit read ahead
+            # the misses, or every uncached unit read ahead, each at its own row of the staging matrix
+            yield self.fetched.matrix, self.fetched.ids, self.fetched.ids
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -230,16 +244,16 @@ class SparseMLP(FlashMLP):
 
         early = None
         if tokens > 1 and not sequential:
-            # Many tokens need about every unit of the second stage too: read its uncached ones now,
-            # behind the first stage's work, rather than after the first stage selects them.
+            # Many tokens need about every unit of both stages: read every uncached one of both kinds a
+            # layer ahead, as dense streaming does (the last layer reads the first one ahead only if
+            # decoding will ask for it).
             started = perf_counter()
-            runtime.settle(self.layer, self.OUTPUT_KIND)
-            uncached, _ = runtime.uncached(self.layer, self.OUTPUT_KIND)
-            early = runtime.submit(self.layer, self.OUTPUT_KIND, uncached)
+            ahead = self.layer + 1 < runtime.num_layers or bool(runtime.read_ahead)
+            early = runtime.read_layer(self.layer, self.KINDS, ahead=ahead)
             times.submit_s += perf_counter() - started
 
         in_mask, in_parts, finish_in = self._stage(
-            self.INPUT_KIND, self.input_cache, self.select_input, x, times, sequential
+            self.INPUT_KIND, self.input_cache, self.select_input, x, times, sequential, early
         )
         a = self._timed(times, lambda: self.compute_input(x, in_mask, in_parts))
         finish_in()
@@ -294,10 +308,10 @@ class SparseMLP(FlashMLP):
         values: torch.Tensor,
         times: _StageTimes,
         sequential: bool,
-        early: Future[Fetch] | None = None,
+        early: Future[LayerFetch] | None = None,
     ):
         """Select (`select(values, residency)`), look up and read one stage's units (`early`: a read of
-        every uncached unit, already submitted).
+        every uncached unit of the layer's kinds, already submitted).
 
         Returns (mask, parts, finish); `finish()` updates the cache once the stage's rows are no
         longer needed (the staging buffer is reused by the next layer).
@@ -313,7 +327,7 @@ class SparseMLP(FlashMLP):
         miss_ids = cache.find_misses(ids)
         looked_up = perf_counter()
         if early is not None:
-            pending: Future[LayerFetch] | Future[Fetch] = early
+            pending: Future[LayerFetch] | Future[Fetch] = early  # every uncached unit, read ahead
         elif kind in runtime.read_ahead:
             # Every uncached unit, needed or not: the unneeded ones get zero coefficients.
             pending = runtime.read_layer(layer)
@@ -323,7 +337,10 @@ class SparseMLP(FlashMLP):
         times.select_s += selected - started
         times.lookup_s += looked_up - selected
         times.submit_s += submitted - looked_up
-        parts = _Parts(cache.rows[: cache.size], cache.slot_ids[: cache.size], pending, kind, miss_ids, times)
+        whole = runtime.unit_ids[: cache.num_units] if early is not None else None
+        parts = _Parts(
+            cache.rows[: cache.size], cache.slot_ids[: cache.size], pending, kind, miss_ids, times, whole
+        )
 
         def finish() -> None:
             fetched = parts.fetched
@@ -332,7 +349,7 @@ class SparseMLP(FlashMLP):
                 runtime.trace.record(runtime.step_start, layer, kind, ids)
             step = runtime.step_start
             runtime.update_later(
-                layer, kind, lambda: cache.update(ids, miss_ids, fetched.rows, step, row_ids=fetched.ids)
+                layer, kind, lambda: cache.update(ids, miss_ids, fetched.matrix, step, by_unit=True)
             )
             times.update_s += perf_counter() - updating
 
@@ -362,13 +379,13 @@ class SparseMLP(FlashMLP):
                 token_mask = every if mask is None else mask[t]
             ids = token_mask.nonzero().squeeze(1)
             miss_ids = cache.find_misses(ids)
-            cache.update(ids, miss_ids, fetched.rows[miss_ids], runtime.step_start + t)
+            cache.update(ids, miss_ids, fetched.matrix, runtime.step_start + t, by_unit=True)
             if runtime.trace is not None:
                 runtime.trace.record(runtime.step_start + t, layer, kind, ids)
         times.update_s += perf_counter() - read_done
         if depends:
             mask = torch.stack(token_masks)
-        return mask, [(fetched.rows, all_ids)], lambda: None
+        return mask, [(fetched.matrix, all_ids, None)], lambda: None
 
     def _depends_on_cache(self) -> bool:
         return self.gamma < 1
@@ -382,15 +399,16 @@ class SparseMLP(FlashMLP):
         product = self._product(width)
         coef = coef.float()
         out = coef.new_zeros(coef.shape[0], width)
-        for rows, ids in parts:
-            product(out, coef[:, ids], rows[:, columns])
+        in_unit_order = isinstance(parts, _Parts) and parts.whole is not None  # one part: every unit
+        for rows, ids, index in parts:
+            product(out, coef if in_unit_order else coef[:, ids], rows[:, columns], index)
         return out
 
     @staticmethod
     def _row_width(parts: Parts) -> int:
         if isinstance(parts, _Parts):
             return parts.cached[0].shape[1]
-        return next(iter(parts))[0].shape[1]
+        return parts[0][0].shape[1]
 
     def _bundled(
         self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts, other_act: Callable
@@ -400,18 +418,18 @@ class SparseMLP(FlashMLP):
         d = self.d_model
         product = self._product(d)
         out = x.new_zeros(x.shape[0], d, dtype=torch.float32)
-        for rows, ids in parts:
-            other = F.linear(x, rows[:, :d])
+        for rows, ids, index in parts:
+            other = F.linear(x, (rows if index is None else rows.index_select(0, index))[:, :d])
             coef = (a[:, ids] * other_act(other) * mask[:, ids]).float()
-            product(out, coef, rows[:, d:])
+            product(out, coef, rows[:, d:], index)
         return out.to(x.dtype)
 
     @staticmethod
     def _rows(x: torch.Tensor, parts: Parts, num_units: int) -> torch.Tensor:
         """`x @ W.T` where unit j is row j of W (an output row of the projection): placed by unit id."""
         out = x.new_empty(x.shape[0], num_units)
-        for rows, ids in parts:
-            out[:, ids] = F.linear(x, rows)
+        for rows, ids, index in parts:
+            out[:, ids] = F.linear(x, rows if index is None else rows.index_select(0, index))
         return out
 
 

@@ -9,10 +9,10 @@ outputs do not depend on which other rows are computed with them.
 
 Every step needs every unit, so priorities never differ and a cache never changes once full: the
 first step fills it with units `0 .. capacity-1` in order, and from then on the misses are the rest
-of the matrix, read (usually a layer ahead) into the staging buffer at their own rows. A decode step
-multiplies the cached rows and the staged rows separately; a multi-token step (prefill), where the
-kernel's blocking may depend on the matrix shape, first copies the cached rows into the staging
-buffer's head and multiplies the whole matrix at once, exactly as the dense model does.
+of the matrix, read (usually a layer ahead) in place into the staging matrix, at their own rows. A
+decode step multiplies the cached rows and the staged rows separately; a multi-token step (prefill),
+where the kernel's blocking may depend on the matrix shape, first copies the cached rows into the
+staging matrix's head and multiplies the whole matrix at once, exactly as the dense model does.
 """
 
 from __future__ import annotations
@@ -165,12 +165,12 @@ class StreamingMLP(FlashMLP):
         cached = cache.size
         if fetch.ids.numel() == 0:  # all resident (in unit order): the matrix is the cache's
             return F.linear(x, cache.rows[:cached], bias)
-        if not cache.holds_unit_prefix or fetch.start != cached:
+        if not cache.holds_unit_prefix or fetch.ids.numel() != cache.num_units - cached:
             raise RuntimeError(
                 f"flashlm internal error: layer {self.layer}'s dense cache does not hold its first "
                 f"{cached} units in order; dense streaming cannot assemble its matrix."
             )
-        matrix = fetch.buffer[: cache.num_units]
+        matrix = fetch.matrix  # units cached .. num_units - 1 at their own rows
         if cached == 0:
             return F.linear(x, matrix, bias)
         if x.shape[0] > 1:
@@ -192,6 +192,8 @@ class StreamingMLP(FlashMLP):
         if cache.size == cache.capacity or fetch.ids.numel() == 0:
             return 0  # every unit is used every step: a full cache never changes
         evictions = cache.evictions
-        cache.update(runtime.unit_ids[: cache.num_units], fetch.ids, fetch.rows, runtime.step_start)
+        cache.update(
+            runtime.unit_ids[: cache.num_units], fetch.ids, fetch.matrix, runtime.step_start, by_unit=True
+        )
         runtime.refresh_residency()
         return cache.evictions - evictions

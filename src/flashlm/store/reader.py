@@ -86,9 +86,9 @@ def aligned_buffer(nbytes: int) -> torch.Tensor:
 
 
 def row_matrix(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """A `[rows, width]` matrix laid out like a store file's rows, for `StoreReader.read_range`: row 0 on
-    a page boundary and one spare block after the last row, so an aligned O_DIRECT read of any row
-    range can land in place (the partial blocks at its ends fall on neighbouring rows or the spare)."""
+    """A `[rows, width]` matrix laid out like a store file's rows, for `StoreReader.read_in_place`: row 0
+    on a page boundary and one spare block after the last row, so an aligned O_DIRECT read of any run of
+    rows can land in place (the partial blocks at its ends fall on neighbouring rows or the spare)."""
     nbytes = rows * width * dtype.itemsize
     return aligned_buffer(nbytes + ALIGNMENT)[:nbytes].view(dtype).view(rows, width)
 
@@ -407,45 +407,52 @@ class StoreReader:
             self._windows[key] = elems.as_strided((elems.numel() - f.width + 1, f.width), (1, 1))
         return self._windows[key]
 
-    def read_range(self, key: Hashable, first: int, matrix: torch.Tensor) -> None:
-        """Read rows `first .. len(matrix) - 1` of `files[key]` into the same rows of `matrix`, straight
-        from the disk (no I/O buffer, no gather: LLM in a flash's preallocated matrix, filled in place).
+    def read_in_place(self, key: Hashable, ids: torch.Tensor, matrix: torch.Tensor) -> None:
+        """Fill row `ids[k]` of `matrix` with row `ids[k]` of `files[key]`, straight from the disk: the
+        planned runs (coalesced and merged as `read` plans them) land at their own rows, with no I/O
+        buffer and no gather (LLM in a flash's preallocated matrix, filled in place).
 
-        `matrix` is a `row_matrix` of the file's shape (or its first rows). With O_DIRECT the aligned
-        superset of the range is read in place: the bytes of the row before `first` that share its
-        first block, and the spare block after the matrix, are overwritten.
+        `matrix` is a `row_matrix` of the file's shape (or its first rows). Each run is read whole, so
+        rows of `matrix` inside a merged gap, and with O_DIRECT the bytes the aligned run shares with
+        its neighbour rows (and the spare block after the matrix), receive the file's bytes for those
+        rows: they hold this file's rows or what they held before, never anything else.
         """
         if self._closed:
             raise ValueError("This StoreReader is closed.")
         f = self.files[key]
-        base = matrix.data_ptr()
-        if (
-            matrix.dtype != f.dtype
-            or matrix.dim() != 2
-            or matrix.shape[1] != f.width
-            or not matrix.is_contiguous()
-        ):
+        self._check_args(f, ids, matrix)
+        if matrix.shape[0] != f.rows and len(ids) and int(ids[-1]) >= matrix.shape[0]:
+            raise ValueError(f"matrix has {matrix.shape[0]} rows; row {int(ids[-1])} does not fit.")
+        if not matrix.is_contiguous():
             raise ValueError(f"matrix must be a contiguous [rows, {f.width}] {f.dtype} row_matrix.")
-        if not 0 <= first <= matrix.shape[0] <= f.rows:
-            raise ValueError(f"rows {first}..{matrix.shape[0] - 1} are not rows of {f.path} ({f.rows}).")
-        if first == matrix.shape[0]:
+        if self.mode == "direct" and matrix.data_ptr() % mmap.PAGESIZE:
+            raise ValueError("O_DIRECT reads need a page-aligned matrix: allocate it with `row_matrix`.")
+        if len(ids) == 0:
             return
-        begin = f.data_offset + first * f.row_bytes
-        end = f.data_offset + matrix.shape[0] * f.row_bytes
-        if self.mode == "direct":
-            if base % mmap.PAGESIZE:
-                raise ValueError("O_DIRECT reads need a page-aligned matrix: allocate it with `row_matrix`.")
-            begin = begin // ALIGNMENT * ALIGNMENT
-            end = -(-end // ALIGNMENT) * ALIGNMENT
-        view = memoryview((ctypes.c_char * (end - begin)).from_address(base + begin - f.data_offset)).cast(
-            "B"
+        plan = plan_reads(
+            ids.numpy(),
+            f.row_bytes,
+            f.data_offset,
+            alignment=ALIGNMENT if self.mode == "direct" else 1,
+            merge_gap_bytes=self.merge_gap_bytes,
+            max_run_bytes=max(f.nbytes + 2 * ALIGNMENT, ALIGNMENT),
         )
-        _, positions, sizes = split_chunks(np.array([0]), np.array([end - begin]), self.chunk_bytes)
-        last_needed = f.data_offset + matrix.shape[0] * f.row_bytes - begin
-        requests = [
-            (begin + pos, size, pos, max(0, min(size, last_needed - pos)))
-            for pos, size in zip(positions.tolist(), sizes.tolist(), strict=True)
-        ]
+        starts, ends = plan.run_starts, plan.run_ends
+        run, within, length = split_chunks(starts, ends, self.chunk_bytes)
+        offsets = starts[run] + within
+        needed = np.clip(plan.run_needed_ends[run] - offsets, 0, length)
+        # Byte b of the file lands at byte b - data_offset of the matrix (requests never start before
+        # data_offset: it is block-aligned).
+        view = memoryview((ctypes.c_char * (f.nbytes + ALIGNMENT)).from_address(matrix.data_ptr())).cast("B")
+        requests = list(
+            zip(
+                offsets.tolist(),
+                length.tolist(),
+                (offsets - f.data_offset).tolist(),
+                needed.tolist(),
+                strict=True,
+            )
+        )
         with self._lock:
             self._issue(self._fds[key], f, requests, view)
 
