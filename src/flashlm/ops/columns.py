@@ -39,8 +39,10 @@ PREFILL_TOKENS = 32
 """Token count of the second measured bucket; a product of more than `DECODE_MAX_TOKENS` tokens uses it."""
 DECODE_MAX_TOKENS = 4
 """Products of up to this many tokens use the choice measured for one token."""
-SAMPLE_ROWS = 256
-"""Rows of the synthetic matrix each candidate is timed on (the choice scales with rows)."""
+SAMPLE_ELEMENTS = 1 << 21
+"""Elements of the synthetic matrix each candidate is timed on (at least `MIN_SAMPLE_ROWS` rows): a
+product long enough (~0.1 ms and up) that timer and scheduler noise do not decide the choice."""
+MIN_SAMPLE_ROWS = 64
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
@@ -152,7 +154,7 @@ class ColumnProduct:
 
     @classmethod
     def measure(cls, dtype: torch.dtype, width: int, density: float = 1.0) -> ColumnProduct:
-        """Time every implementation available on a synthetic `[SAMPLE_ROWS, width]` matrix whose rows
+        """Time every implementation available on a synthetic `[rows, width]` matrix whose rows
         have a nonzero coefficient with probability `density` (the share of units a method keeps: the
         native kernel skips the others, torch's products do not). Memoized per 5% of density."""
         return _measure(dtype, width, torch.get_num_threads(), round(min(max(density, 0.05), 1.0) * 20) / 20)
@@ -171,8 +173,9 @@ def _slot_dtype(dtype: torch.dtype, width: int, threads: int) -> torch.dtype:
     if dtype == torch.float32:
         return dtype
     generator = torch.Generator().manual_seed(0)
-    rows = torch.randn(SAMPLE_ROWS, width, generator=generator, dtype=torch.float32)
-    coef = torch.randn(1, SAMPLE_ROWS, generator=generator, dtype=torch.float32)
+    sample_rows = _sample_rows(width)
+    rows = torch.randn(sample_rows, width, generator=generator, dtype=torch.float32)
+    coef = torch.randn(1, sample_rows, generator=generator, dtype=torch.float32)
     out = torch.zeros(1, width, dtype=torch.float32)
     name = "native" if _native_functions() is not None else "torch"
     stored = _time(functools.partial(_run, name, out, coef, rows.to(dtype)), cold=rows.to(dtype))
@@ -196,13 +199,14 @@ def _measure(dtype: torch.dtype, width: int, threads: int, density: float) -> Co
         ["native", "torch", "torch-fp32"] if _native_functions() is not None else ["torch", "torch-fp32"]
     )
     generator = torch.Generator().manual_seed(0)
+    sample_rows = _sample_rows(width)
     # Explicit dtypes: this runs while transformers builds a model under another default dtype.
-    rows = torch.randn(SAMPLE_ROWS, width, generator=generator, dtype=torch.float32).to(dtype)
+    rows = torch.randn(sample_rows, width, generator=generator, dtype=torch.float32).to(dtype)
     timings: dict[str, dict[str, float]] = {}
     best: dict[str, str] = {}
     for bucket, tokens in (("decode", 1), ("prefill", PREFILL_TOKENS)):
-        coef = torch.randn(tokens, SAMPLE_ROWS, generator=generator, dtype=torch.float32)
-        coef *= torch.rand(SAMPLE_ROWS, generator=generator, dtype=torch.float32) < density
+        coef = torch.randn(tokens, sample_rows, generator=generator, dtype=torch.float32)
+        coef *= torch.rand(sample_rows, generator=generator, dtype=torch.float32) < density
         out = torch.zeros(tokens, width, dtype=torch.float32)
         timings[bucket] = {}
         for name in candidates:
@@ -213,7 +217,11 @@ def _measure(dtype: torch.dtype, width: int, threads: int, density: float) -> Co
     return ColumnProduct(best["decode"], best["prefill"], timings)
 
 
-def _time(run: Callable[[], None], repeats: int = 5, cold: torch.Tensor | None = None) -> float:
+def _sample_rows(width: int) -> int:
+    return max(MIN_SAMPLE_ROWS, SAMPLE_ELEMENTS // max(width, 1))
+
+
+def _time(run: Callable[[], None], repeats: int = 7, cold: torch.Tensor | None = None) -> float:
     """Median seconds of `run` after one warm-up call; `cold` is evicted from the CPU caches first."""
     run()
     samples = []

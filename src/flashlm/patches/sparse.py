@@ -210,17 +210,17 @@ class SparseMLP(FlashMLP):
 
     # ---- the four hooks ------------------------------------------------------------------------
 
-    def select_input(self, x: torch.Tensor, resident: torch.Tensor) -> torch.Tensor | None:
+    def select_input(self, x: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor | None:
         """`[T, units]` mask of the stage-1 units each of the tokens `x` needs, or None for all of them.
 
-        `resident` is the stage's cache residency (for cache-aware selection)."""
+        `resident` is the stage's cache residency (for cache-aware selection; None without)."""
         return None
 
     def compute_input(self, x: torch.Tensor, mask: torch.Tensor | None, parts: Parts) -> torch.Tensor:
         """Stage 1: the `[T, d_ff]` activation the second selection ranks."""
         raise NotImplementedError
 
-    def select_output(self, a: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:
+    def select_output(self, a: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor:
         """`[T, d_ff]` mask of the stage-2 units each token keeps, from its stage-1 activation `a`."""
         return magnitude_topk(a, self.k_out)
 
@@ -321,7 +321,7 @@ class SparseMLP(FlashMLP):
         if sequential:
             return self._sequential_stage(kind, cache, select, values, times)
         started = perf_counter()
-        mask = select(values, cache.slot_of >= 0)
+        mask = select(values, self._residency(cache))
         ids = runtime.unit_ids[: cache.num_units] if mask is None else union_ids(mask)
         selected = perf_counter()
         miss_ids = cache.find_misses(ids)
@@ -368,12 +368,12 @@ class SparseMLP(FlashMLP):
         times.bytes_read += fetched.bytes_read
         times.reads += fetched.reads
         depends = self._depends_on_cache()
-        mask = None if depends else select(values, cache.slot_of >= 0)
+        mask = None if depends else select(values, self._residency(cache))
         every = torch.ones(cache.num_units, dtype=torch.bool)
         token_masks = []
         for t in range(values.shape[0]):
             if depends:
-                token_mask = select(values[t : t + 1], cache.slot_of >= 0)[0]
+                token_mask = select(values[t : t + 1], self._residency(cache))[0]
                 token_masks.append(token_mask)
             else:
                 token_mask = every if mask is None else mask[t]
@@ -389,6 +389,10 @@ class SparseMLP(FlashMLP):
 
     def _depends_on_cache(self) -> bool:
         return self.gamma < 1
+
+    def _residency(self, cache: NeuronCache) -> torch.Tensor | None:
+        """The cache's residency mask, for cache-aware selection only (None otherwise: not computed)."""
+        return cache.slot_of >= 0 if self._depends_on_cache() else None
 
     # ---- shared arithmetic --------------------------------------------------------------------
 
@@ -463,7 +467,7 @@ class DIPMLP(SparseMLP):
         threshold = "" if self.input_threshold is None else f", input_threshold={self.input_threshold:.4g}"
         return f"{super().extra_repr()}, k_in={self.k_in}{threshold}"
 
-    def select_input(self, x: torch.Tensor, resident: torch.Tensor) -> torch.Tensor | None:
+    def select_input(self, x: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor | None:
         if self.input_threshold is not None:
             return threshold_mask(x, self.input_threshold)
         return magnitude_topk(x, self.k_in, resident, self.gamma)
@@ -473,7 +477,7 @@ class DIPMLP(SparseMLP):
         up_gate = self._columns(x if mask is None else x * mask, parts).to(x.dtype)
         return up_gate[:, : self.d_ff] * self.act(up_gate[:, self.d_ff :])
 
-    def select_output(self, a: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:
+    def select_output(self, a: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor:
         return magnitude_topk(a, self.k_out, resident, self.gamma)
 
     def compute_output(
@@ -489,10 +493,10 @@ class GLUPruningMLP(DIPMLP):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, k_in=0, **kwargs)
 
-    def select_input(self, x: torch.Tensor, resident: torch.Tensor) -> None:
+    def select_input(self, x: torch.Tensor, resident: torch.Tensor | None) -> None:
         return None
 
-    def select_output(self, a: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:
+    def select_output(self, a: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor:
         return magnitude_topk(a, self.k_out)
 
 
@@ -539,7 +543,7 @@ class CATSMLP(GatePruningMLP):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, threshold={self.threshold:.4g}"
 
-    def select_output(self, a: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:
+    def select_output(self, a: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor:
         return threshold_mask(a, self.threshold)
 
 

@@ -177,10 +177,13 @@ class StreamingMLP(FlashMLP):
             # Many tokens: one product over the whole matrix, as the dense model computes it.
             matrix[:cached].copy_(cache.rows[:cached])
             return F.linear(x, matrix, bias)
-        out = x.new_empty(x.shape[0], cache.num_units)
-        head, tail = (None, None) if bias is None else (bias[:cached], bias[cached:])
-        out[:, :cached] = F.linear(x, cache.rows[:cached], head)
-        out[:, cached:] = F.linear(x, matrix[cached:], tail)
+        # One token: the cached rows' outputs and the read rows' outputs, each written in place.
+        out = x.new_empty(1, cache.num_units)
+        for rows, first, last in ((cache.rows, 0, cached), (matrix, cached, cache.num_units)):
+            if bias is None:
+                torch.mm(x, rows[first:last].t(), out=out[:, first:last])
+            else:
+                torch.addmm(bias[first:last], x, rows[first:last].t(), out=out[:, first:last])
         return out
 
     def _account(self, kind: str, cache: NeuronCache, fetch: Fetch) -> int:

@@ -1,0 +1,284 @@
+"""The per-token path against plain transformers: compute, cache bookkeeping, I/O and operator counts.
+
+For each model and each CPU capability (`default`, and `avx2`: torch's AVX2 kernels with oneDNN and
+MKL held to AVX2, what a CPU without AVX-512 runs), every configuration runs in its own process with
+the same prompt: a prefill, then greedy decoding, each step timed alone.
+
+- `ram`: plain transformers in memory. Forward hooks time its MLP modules: the in-RAM MLP time per
+  token that flashlm's compute is held against.
+- `dense@resident`: flashlm dense streaming with a budget that holds every unit (after the first step
+  nothing is read), against `ram`'s tokens/s.
+- `dense@50%`, `dip@D`, `dip-ca@D`: dense streaming, DIP and DIP-CA with half the MLP bytes.
+
+Per configuration: decode tokens/s (and its ratio to `ram`), prefill seconds (and the ratio to
+`dense@50%`'s), MB read per token, the split of a token's MLP time (selection, cache bookkeeping =
+lookup + read submission + admission/eviction, I/O wait, compute: `flashlm.stats`), compute over the
+in-RAM MLP time, bookkeeping over compute, whether greedy tokens equal `ram`'s (exact configurations
+only), and the torch operators run inside the MLP modules per layer per token (torch.profiler over
+decode steps, attributed to the MLP by a `record_function` range around each MLP module's forward).
+
+The child reads only flashlm's public surface (`FlashConfig`, `flashlm.stats`), so the same script
+measures an older flashlm too (`PYTHONPATH=old/src`, a `--flashlm-cache` of its own, `--label before`).
+
+    python benchmarks/per_token_path.py --models smollm2-135m,qwen2.5-1.5b --out bench-results/per-token
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+CAPABILITIES = {
+    "default": {},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+}
+PROMPT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden screw press. Explain why this mattered."
+)
+MLP_RANGE = "flashlm_bench::mlp"
+EXACT = ("ram", "dense@resident", "dense@50%")
+
+
+def configurations(density: float) -> list[dict[str, Any]]:
+    return [
+        {"name": "ram"},
+        {"name": "dense@resident", "options": {"memory_budget": "115%"}},
+        {"name": "dense@50%", "options": {"memory_budget": "50%"}},
+        {"name": f"dip@{density}", "options": {"memory_budget": "50%", "method": "dip", "density": density}},
+        {
+            "name": f"dip-ca@{density}",
+            "options": {"memory_budget": "50%", "method": "dip", "density": density, "cache_aware": 0.2},
+        },
+    ]
+
+
+# ---- child: one configuration ------------------------------------------------------------------
+
+
+def mlp_modules(model) -> list:
+    """The modules that compute each layer's MLP (flashlm's, or transformers' own)."""
+    found = []
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if kind.endswith("MLP") and not any(name.startswith(f + ".") for f, _ in found):
+            found.append((name, module))
+    return [module for _, module in found]
+
+
+class MLPTimer:
+    """Forward hooks: seconds spent inside MLP modules, and a profiler range around each call."""
+
+    def __init__(self, model) -> None:
+        import torch
+
+        self.seconds = 0.0
+        self._ranges: list = []
+        self.modules = mlp_modules(model)
+        for module in self.modules:
+            module.register_forward_pre_hook(self._enter)
+            module.register_forward_hook(self._exit)
+        self._torch = torch
+
+    def _enter(self, module, args) -> None:
+        span = self._torch.profiler.record_function(MLP_RANGE)
+        span.__enter__()
+        self._ranges.append((span, time.perf_counter()))
+
+    def _exit(self, module, args, output) -> None:
+        span, started = self._ranges.pop()
+        self.seconds += time.perf_counter() - started
+        span.__exit__(None, None, None)
+
+
+def mlp_operator_counts(prof) -> dict[str, int]:
+    """aten operators run inside the MLP ranges (outermost aten calls only), by name."""
+    counts: dict[str, int] = {}
+    for event in prof.profiler.function_events:
+        if not event.name.startswith("aten::"):
+            continue
+        parent, inside, nested = event.cpu_parent, False, False
+        while parent is not None:
+            nested = nested or parent.name.startswith("aten::")
+            inside = inside or parent.name == MLP_RANGE
+            parent = parent.cpu_parent
+        if inside and not nested:
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return counts
+
+
+def run_child(spec: dict[str, Any], model_dir: str, new_tokens: int, profile_tokens: int) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import flashlm
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if "options" in spec:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, quantization_config=flashlm.FlashConfig(**spec["options"])
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+    timer = MLPTimer(model)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    flashlm_model = "options" in spec
+    tokens, steps = [], []
+    with torch.inference_mode():
+        started = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True)
+        prefill_s = time.perf_counter() - started
+        if flashlm_model:
+            flashlm.stats(model, reset=True)
+        timer.seconds = 0.0
+        for _ in range(new_tokens):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(int(token))
+            started = time.perf_counter()
+            out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+            steps.append(time.perf_counter() - started)
+        mlp_s = timer.seconds
+        snapshot = flashlm.stats(model) if flashlm_model else None
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(profile_tokens):
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+                out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+    layers = len(timer.modules)
+    ops = mlp_operator_counts(prof)
+    result = {
+        "config": spec["name"],
+        "prompt_tokens": int(ids.shape[1]),
+        "prefill_s": prefill_s,
+        "decode_tok_s": len(steps) / sum(steps),
+        "mlp_ms_per_token": 1e3 * mlp_s / len(steps),
+        "tokens": tokens,
+        "ops_per_layer_token": sum(ops.values()) / (layers * profile_tokens),
+        "ops": {name: count / (layers * profile_tokens) for name, count in sorted(ops.items())},
+    }
+    if snapshot is not None:
+        totals = snapshot.totals(decode_only=True)
+        per_step = {
+            name[: -len("_per_step")]: value for name, value in totals.items() if name.endswith("_per_step")
+        }
+        result["read_mb_per_token"] = per_step["bytes_read"] / 1e6
+        result["hit_rate"] = totals["hit_rate"]
+        result["ms"] = {
+            # flashlm before the per-token-path work had no selection/lookup/submit/update columns
+            name: 1e3 * per_step.get(f"{name}_s", float("nan"))
+            for name in ("select", "lookup", "submit", "update", "cache", "io", "compute")
+        }
+    return result
+
+
+# ---- parent: every configuration, side by side --------------------------------------------------
+
+
+def run(spec, model_dir: Path, capability: str, args) -> dict[str, Any]:
+    env = {**os.environ, **CAPABILITIES[capability], "HF_HUB_OFFLINE": "1"}
+    if args.flashlm_cache:
+        env["FLASHLM_CACHE"] = str(args.flashlm_cache)
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        json.dumps(spec),
+        "--model-dir",
+        str(model_dir),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--profile-tokens",
+        str(args.profile_tokens),
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        return {"config": spec["name"], "error": (proc.stderr or proc.stdout)[-2000:]}
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def number(value, fmt: str) -> str:
+    return "—" if value is None or value != value else format(value, fmt)
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    ram = next((r for r in results if r["config"] == "ram" and "error" not in r), None)
+    dense = next((r for r in results if r["config"] == "dense@50%" and "error" not in r), None)
+    lines = [
+        "| configuration | decode tok/s | x ram | prefill s | x dense prefill | MB read/token | hit rate "
+        "| select / cache / I/O wait / compute ms | MLP ms (hooks) | compute / ram MLP | cache / compute "
+        "| MLP ops per layer per token | tokens = ram |",
+        "|" + "---|" * 13,
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['config']} | failed: {r['error'].strip().splitlines()[-1]} |" + " |" * 11)
+            continue
+        ms = r.get("ms")
+        split = (
+            f"{number(ms['select'], '.1f')} / {number(ms['cache'], '.1f')} / {number(ms['io'], '.1f')} / "
+            f"{number(ms['compute'], '.1f')}"
+            if ms
+            else "—"
+        )
+        exact = ("yes" if r["tokens"] == ram["tokens"] else "NO") if ram and r["config"] in EXACT else "—"
+        lines.append(
+            f"| {r['config']} | {r['decode_tok_s']:.2f} | {number(ram and r['decode_tok_s'] / ram['decode_tok_s'], '.2f')} "
+            f"| {r['prefill_s']:.2f} | {number(dense and r['prefill_s'] / dense['prefill_s'], '.2f')} "
+            f"| {number(r.get('read_mb_per_token'), '.1f')} | {number(r.get('hit_rate'), '.1%')} | {split} "
+            f"| {r['mlp_ms_per_token']:.1f} | {number(ms and ram and ms['compute'] / ram['mlp_ms_per_token'], '.2f')} "
+            f"| {number(ms and ms['cache'] / ms['compute'], '.1%')} | {r['ops_per_layer_token']:.1f} | {exact} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", default="smollm2-135m,qwen2.5-1.5b", help="bundled names or directories")
+    parser.add_argument("--capabilities", default="default,avx2")
+    parser.add_argument("--configs", default=None, help="comma-separated subset of the configuration names")
+    parser.add_argument("--density", type=float, default=0.6, help="MLP density of the DIP / DIP-CA rows")
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--profile-tokens", type=int, default=2)
+    parser.add_argument("--label", default="after", help="names the output files (e.g. before / after)")
+    parser.add_argument("--flashlm-cache", type=Path, default=None, help="FLASHLM_CACHE for the children")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/per-token"))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        result = run_child(json.loads(args.child), args.model_dir, args.new_tokens, args.profile_tokens)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+
+    from flashlm.models import model_path
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"label": args.label, "runs": []}
+    wanted = set(args.configs.split(",")) if args.configs else None
+    sections = []
+    for name in args.models.split(","):
+        model_dir = model_path(name)
+        for capability in args.capabilities.split(","):
+            results = []
+            for spec in configurations(args.density):
+                if wanted and spec["name"] not in wanted:
+                    continue
+                print(f"{name} [{capability}] {spec['name']} ...", file=sys.stderr, flush=True)
+                results.append(run(spec, model_dir, capability, args))
+            report["runs"].append({"model": name, "capability": capability, "results": results})
+            sections.append(f"## {name}, capability {capability}\n\n{table(results)}\n")
+            (args.out / f"{args.label}.json").write_text(json.dumps(report, indent=1))
+            (args.out / f"{args.label}.md").write_text("\n".join(sections))
+            print(sections[-1], flush=True)
+
+
+if __name__ == "__main__":
+    main()
