@@ -153,6 +153,7 @@ def run_child(spec: dict[str, Any], model_dir: str, new_tokens: int, profile_tok
     ops = mlp_operator_counts(prof)
     result = {
         "config": spec["name"],
+        "flashlm": str(Path(flashlm.__file__).parent),
         "prompt_tokens": int(ids.shape[1]),
         "prefill_s": prefill_s,
         "decode_tok_s": len(steps) / sum(steps),
@@ -228,11 +229,14 @@ def table(results: list[dict[str, Any]]) -> str:
         )
         exact = ("yes" if r["tokens"] == ram["tokens"] else "NO") if ram and r["config"] in EXACT else "—"
         lines.append(
-            f"| {r['config']} | {r['decode_tok_s']:.2f} | {number(ram and r['decode_tok_s'] / ram['decode_tok_s'], '.2f')} "
+            f"| {r['config']} | {r['decode_tok_s']:.2f} "
+            f"| {number(ram and r['decode_tok_s'] / ram['decode_tok_s'], '.2f')} "
             f"| {r['prefill_s']:.2f} | {number(dense and r['prefill_s'] / dense['prefill_s'], '.2f')} "
             f"| {number(r.get('read_mb_per_token'), '.1f')} | {number(r.get('hit_rate'), '.1%')} | {split} "
-            f"| {r['mlp_ms_per_token']:.1f} | {number(ms and ram and ms['compute'] / ram['mlp_ms_per_token'], '.2f')} "
-            f"| {number(ms and ms['cache'] / ms['compute'], '.1%')} | {r['ops_per_layer_token']:.1f} | {exact} |"
+            f"| {r['mlp_ms_per_token']:.1f} "
+            f"| {number(ms and ram and ms['compute'] / ram['mlp_ms_per_token'], '.2f')} "
+            f"| {number(ms and ms['cache'] / ms['compute'], '.1%')} | {r['ops_per_layer_token']:.1f} "
+            f"| {exact} |"
         )
     return "\n".join(lines)
 
