@@ -241,6 +241,12 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def bundled_model(name: str) -> Path:
+    from flashlm.models import model_path
+
+    return model_path(name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -262,14 +268,12 @@ def main() -> None:
         print("RESULT " + json.dumps(result), flush=True)
         return
 
-    from flashlm.models import model_path
-
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"label": args.label, "runs": []}
     wanted = set(args.configs.split(",")) if args.configs else None
     sections = []
     for name in args.models.split(","):
-        model_dir = model_path(name)
+        model_dir = Path(name) if Path(name).is_dir() else bundled_model(name)
         for capability in args.capabilities.split(","):
             results = []
             for spec in configurations(args.density):
