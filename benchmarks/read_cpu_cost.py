@@ -32,6 +32,7 @@ from flashlm import FlashConfig
 from flashlm.models import default_model_path
 from flashlm.patching import open_store_for_checkpoint
 from flashlm.runtime import READER_BUFFER_CAP
+from flashlm.store import add_kinds
 from flashlm.store.reader import StoreReader
 from flashlm.store.rowfile import ALIGNMENT
 
@@ -68,7 +69,7 @@ def main() -> None:
     args = parser.parse_args()
 
     model_path = default_model_path()
-    store = open_store_for_checkpoint(model_path, FlashConfig())
+    store = add_kinds(open_store_for_checkpoint(model_path, FlashConfig()), [KIND])  # derived once
     files = {(layer, KIND): store.row_file(layer, KIND) for layer in range(store.num_layers)}
     largest = max(f.nbytes for f in files.values())
     reader = StoreReader(

@@ -38,6 +38,7 @@ from flashlm.models import default_model_path
 from flashlm.patching import open_store_for_checkpoint
 from flashlm.runtime import READER_BUFFER_CAP
 from flashlm.sim.hardware import PRESETS, save_profile
+from flashlm.store import add_kinds
 from flashlm.store.reader import DEFAULT_MERGE_GAP_BYTES, StoreReader
 from flashlm.store.rowfile import ALIGNMENT
 
@@ -142,7 +143,7 @@ def main() -> None:
     args = parser.parse_args()
 
     model_path = default_model_path()
-    store = open_store_for_checkpoint(model_path, FlashConfig())
+    store = add_kinds(open_store_for_checkpoint(model_path, FlashConfig()), [KIND])  # derived once
     files = {(layer, KIND): store.row_file(layer, KIND) for layer in range(store.num_layers)}
     largest = max(f.nbytes for f in files.values())
     reader = StoreReader(files, direct_io=True, buffer_bytes=min(largest + 2 * ALIGNMENT, READER_BUFFER_CAP))

@@ -35,6 +35,7 @@ def reference(out, coef, rows) -> torch.Tensor:
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("tokens", "n", "width"), [(1, 37, 100), (3, 300, 1000), (40, 64, 17), (1, 0, 8)])
+@pytest.mark.exactness
 def test_native_matches_the_reference(dtype, tokens, n, width) -> None:
     out, coef, rows = operands(tokens, n, width, dtype, zero_rows=n // 3)
     expected = reference(out, coef, rows)
@@ -53,6 +54,7 @@ def test_native_skips_rows_whose_coefficients_are_all_zero() -> None:
 
 
 @needs_native
+@pytest.mark.exactness
 def test_native_is_the_same_on_any_number_of_threads() -> None:
     """Columns are split between threads, each output summed over rows in order: bit-identical."""
     out, coef, rows = operands(1, 2048, 1024, torch.bfloat16, zero_rows=100)
@@ -134,6 +136,7 @@ def reference_topk(x: torch.Tensor, k: int, resident: torch.Tensor | None, gamma
     ("tokens", "n", "k"), [(1, 1536, 922), (7, 300, 1), (5, 64, 64), (3, 40, 0), (2, 9, 4)]
 )
 @pytest.mark.parametrize("gamma", [1.0, 0.2, 0.0])
+@pytest.mark.exactness
 def test_topk_mask_is_the_tie_stable_top_k(dtype, tokens, n, k, gamma) -> None:
     g = torch.Generator().manual_seed(n + k)
     x = torch.randn(tokens, n, generator=g).to(dtype)

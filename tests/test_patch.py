@@ -49,6 +49,7 @@ def prompt_ids(vocab_size: int, length: int = 12) -> torch.Tensor:
 
 @pytest.mark.parametrize("cached_fraction", CACHED_FRACTIONS)
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.exactness
 def test_density_one_matches_dense(arch, cached_fraction, make_tiny_checkpoint, tmp_path):
     """Dense streaming is the dense model: same logits, same greedy tokens, whatever the budget."""
     path = make_tiny_checkpoint(arch, dtype=torch.float32)
@@ -71,6 +72,7 @@ def test_density_one_matches_dense(arch, cached_fraction, make_tiny_checkpoint, 
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.exactness
 def test_bf16_logits_within_tolerance(arch, make_tiny_checkpoint, tmp_path):
     path = make_tiny_checkpoint(arch, dtype=torch.bfloat16)
     reference = AutoModelForCausalLM.from_pretrained(path)

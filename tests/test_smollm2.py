@@ -44,6 +44,7 @@ def minimum_budget(store) -> int:
 
 
 @pytest.mark.parametrize("budget", ["100%", "50%", "25%", "min"])
+@pytest.mark.exactness
 def test_greedy_generation_is_token_identical(budget, smollm2_dir, store, reference):
     inputs, expected_tokens, expected_logits = reference
     budget = minimum_budget(store) if budget == "min" else budget
@@ -85,6 +86,7 @@ def test_reader_bytes_agree_with_proc_io(smollm2_dir, store, reference):
 @pytest.mark.parametrize(
     "options", [{"method": "dip"}, {"method": "dip", "cache_aware": 0.2}, {"method": "glu"}]
 )
+@pytest.mark.exactness
 def test_sparse_methods_at_density_one_match_dense(options, smollm2_dir, store, reference):
     """DIP (and DIP-CA, the GLU oracle) at density 1.0 keep every unit: the dense model's tokens."""
     inputs, expected_tokens, expected_logits = reference

@@ -208,6 +208,7 @@ def dense_weights(model, layer: int):
     ],
     ids=lambda o: "-".join(f"{v}" for v in o.values()),
 )
+@pytest.mark.exactness
 def test_module_matches_its_equations(options, tiny_llama) -> None:
     path, dense, store = tiny_llama
     model = load(path, store, **options)
@@ -227,6 +228,7 @@ def test_module_matches_its_equations(options, tiny_llama) -> None:
 @pytest.mark.parametrize(
     "options", [{"method": "dip"}, {"method": "dip", "cache_aware": 0.2}, {"method": "glu"}]
 )
+@pytest.mark.exactness
 def test_density_one_is_the_dense_model(options, tiny_llama) -> None:
     path, dense, store = tiny_llama
     model = load(path, store, density=1.0, **options)

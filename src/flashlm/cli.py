@@ -516,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kinds",
         type=_list,
         default=None,
-        help="unit layouts to write (default: bundle; the others are derived on first use)",
+        help="unit layouts to write (default: dense streaming's gate,up,down; others derived on first use)",
     )
     convert.set_defaults(func=cmd_convert)
 
