@@ -15,7 +15,8 @@ Per configuration: decode tokens/s (and its ratio to `ram`), prefill seconds (an
 lookup + read submission + admission/eviction, I/O wait, compute: `flashlm.stats`), compute over the
 in-RAM MLP time, bookkeeping over compute, whether greedy tokens equal `ram`'s (exact configurations
 only), and the torch operators run inside the MLP modules per layer per token (torch.profiler over
-decode steps, attributed to the MLP by a `record_function` range around each MLP module's forward).
+decode steps, attributed to the MLP by a `record_function` range around each MLP module's forward)
+with the bytes they allocated.
 
 The child reads only flashlm's public surface (`FlashConfig`, `flashlm.stats`), so the same script
 measures an older flashlm too (`PYTHONPATH=old/src`, a `--flashlm-cache` of its own, `--label before`).
@@ -97,9 +98,11 @@ class MLPTimer:
         span.__exit__(None, None, None)
 
 
-def mlp_operator_counts(prof) -> dict[str, int]:
-    """aten operators run inside the MLP ranges (outermost aten calls only), by name."""
+def mlp_operator_counts(prof) -> tuple[dict[str, int], int]:
+    """aten operators run inside the MLP ranges (outermost aten calls only), by name, and the bytes
+    the operators inside those ranges allocated (any depth)."""
     counts: dict[str, int] = {}
+    allocated = 0
     for event in prof.profiler.function_events:
         if not event.name.startswith("aten::"):
             continue
@@ -108,9 +111,11 @@ def mlp_operator_counts(prof) -> dict[str, int]:
             nested = nested or parent.name.startswith("aten::")
             inside = inside or parent.name == MLP_RANGE
             parent = parent.cpu_parent
+        if inside:
+            allocated += max(event.self_cpu_memory_usage, 0)
         if inside and not nested:
             counts[event.name] = counts.get(event.name, 0) + 1
-    return counts
+    return counts, allocated
 
 
 def run_child(spec: dict[str, Any], model_dir: str, new_tokens: int, profile_tokens: int) -> dict[str, Any]:
@@ -145,12 +150,14 @@ def run_child(spec: dict[str, Any], model_dir: str, new_tokens: int, profile_tok
             steps.append(time.perf_counter() - started)
         mlp_s = timer.seconds
         snapshot = flashlm.stats(model) if flashlm_model else None
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        ) as prof:
             for _ in range(profile_tokens):
                 token = out.logits[:, -1].argmax(-1, keepdim=True)
                 out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
     layers = len(timer.modules)
-    ops = mlp_operator_counts(prof)
+    ops, allocated = mlp_operator_counts(prof)
     result = {
         "config": spec["name"],
         "flashlm": str(Path(flashlm.__file__).parent),
@@ -160,6 +167,7 @@ def run_child(spec: dict[str, Any], model_dir: str, new_tokens: int, profile_tok
         "mlp_ms_per_token": 1e3 * mlp_s / len(steps),
         "tokens": tokens,
         "ops_per_layer_token": sum(ops.values()) / (layers * profile_tokens),
+        "alloc_kb_per_layer_token": allocated / 1e3 / (layers * profile_tokens),
         "ops": {name: count / (layers * profile_tokens) for name, count in sorted(ops.items())},
     }
     if snapshot is not None:
@@ -213,12 +221,12 @@ def table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| configuration | decode tok/s | x ram | prefill s | x dense prefill | MB read/token | hit rate "
         "| select / cache / I/O wait / compute ms | MLP ms (hooks) | compute / ram MLP | cache / compute "
-        "| MLP ops per layer per token | tokens = ram |",
-        "|" + "---|" * 13,
+        "| MLP ops per layer per token | MLP KB allocated per layer per token | tokens = ram |",
+        "|" + "---|" * 14,
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['config']} | failed: {r['error'].strip().splitlines()[-1]} |" + " |" * 11)
+            lines.append(f"| {r['config']} | failed: {r['error'].strip().splitlines()[-1]} |" + " |" * 12)
             continue
         ms = r.get("ms")
         split = (
@@ -236,7 +244,7 @@ def table(results: list[dict[str, Any]]) -> str:
             f"| {r['mlp_ms_per_token']:.1f} "
             f"| {number(ms and ram and ms['compute'] / ram['mlp_ms_per_token'], '.2f')} "
             f"| {number(ms and ms['cache'] / ms['compute'], '.1%')} | {r['ops_per_layer_token']:.1f} "
-            f"| {exact} |"
+            f"| {number(r.get('alloc_kb_per_layer_token'), '.1f')} | {exact} |"
         )
     return "\n".join(lines)
 
