@@ -287,6 +287,22 @@ def test_layers_called_out_of_order_stay_exact(make_tiny_checkpoint, tmp_path):
             torch.testing.assert_close(streaming[layer](x), reference.model.layers[layer].mlp(x))
 
 
+@pytest.mark.exactness
+def test_without_read_ahead_each_layer_reads_when_it_runs(make_tiny_checkpoint, tmp_path):
+    """`read_ahead=False`: no read is left pending between layers, and the tokens are the dense model's."""
+    path = make_tiny_checkpoint("llama", dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    patched = load_patched(path, tmp_path / "store", 0.3, read_ahead=False)
+    runtime = streaming_mlps(patched)[0].runtime
+    assert runtime.read_ahead == ()
+    ids = prompt_ids(reference.config.vocab_size)
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(patched.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+    assert runtime._pending is None
+    steps = flashlm.stats(patched).per_step()
+    assert all(s["bytes_read"] > 0 for s in steps)
+
+
 def test_sampling_matches_dense_under_the_same_seed(make_tiny_checkpoint, tmp_path):
     path = make_tiny_checkpoint("qwen2", dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(path)

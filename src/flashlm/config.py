@@ -127,11 +127,13 @@ class FlashConfig(QuantizationConfigMixin):
             (default) fills first the caches whose misses cost the disk most bytes per unit byte
             (small units under-fill a 4 KiB page), `"size"` shares in proportion to each cache's
             full size.
-        read_ahead: sparse methods: read the next layer's uncached first-stage units (DIP: the up/gate
-            input columns) while this layer computes, needed or not, as dense streaming does. `None`
-            (default) decides per model: always for methods whose first stage reads every unit;
-            for DIP when the reader's merged reads would cover nearly all of them anyway (small
-            units, high input density). The selection is unchanged, so is the output.
+        read_ahead: read the next layer's uncached units while this layer computes (dense streaming:
+            every kind; sparse methods: the first stage's, e.g. DIP's up/gate input columns, needed
+            or not). `None` (default) decides: always for dense streaming and for methods whose first
+            stage reads every unit; for DIP when the reader's merged reads would cover nearly all of
+            them anyway (small units, high input density). `False` makes each layer read what it
+            needs when it needs it: slower, but its compute then runs without reads beside it (for
+            measuring what overlapped I/O costs the compute). The output is unchanged.
         sequential_prefill: compute a multi-token forward exactly as that many one-token decode
             steps would (cache-aware masks see the cache evolve token by token) instead of masking
             every token against the cache as it was when the forward began. Slower; the perplexity

@@ -159,7 +159,7 @@ def replace_mlps(model: nn.Module, store: Store, config: FlashConfig) -> FlashRu
             read_ahead = (cls.INPUT_KIND,) if reads_ahead(config, store, calibration) else ()
             runtime = FlashRuntime(store, config, kinds, read_ahead, cls.slot_dtypes(store))
         else:
-            runtime = FlashRuntime(store, config)
+            runtime = FlashRuntime(store, config, read_ahead=None if config.read_ahead is not False else ())
         for layer, owner_name, owner in owners:
             act = getattr(owner, spec.act)
             dense_class = type(owner) if spec.owner else None

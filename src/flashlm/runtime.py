@@ -119,7 +119,7 @@ class FlashRuntime:
         """0, 1, 2, ...: sliced for 'every unit of a layer' instead of allocating a range per step."""
         self._nothing = {
             (buffer, kinds): self._finished({kind: self._empty_fetch(kind, buffer) for kind in kinds})
-            for kinds in (read_ahead, self.kinds)
+            for kinds in {read_ahead, self.kinds}
             for buffer in range(2)
         }
         """Finished reads of nothing, for layers whose caches hold every unit (no I/O thread hop)."""

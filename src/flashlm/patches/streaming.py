@@ -100,7 +100,7 @@ class StreamingMLP(FlashMLP):
             runtime.begin_step(tokens)
         if runtime.every_unit_resident and runtime.trace is None:
             return self._resident_forward(x).reshape(hidden_states.shape)
-        pending = runtime.read_layer(self.layer)
+        pending = runtime.read_layer(self.layer, self.kinds_for(self.gated), ahead=bool(runtime.read_ahead))
         waiting = perf_counter()
         fetched = pending.result()
         io_s = perf_counter() - waiting
