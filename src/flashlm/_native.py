@@ -20,6 +20,7 @@ import os
 import platform
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +28,9 @@ import torch
 from ._utils import cache_dir
 
 logger = logging.getLogger(__name__)
+
+ELEMENT_SUFFIXES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+"""Element types of the operators' rows (`ops/_elements.h`) and the suffix of each one's function."""
 
 _X86_MARCH = {"AVX512": "native", "AVX2": "x86-64-v3"}
 """torch CPU capability -> gcc `-march`; anything else on x86 gets the SSE4.2 baseline `x86-64-v2`."""
@@ -60,7 +64,8 @@ def load_library(source: Path, name: str, *, openmp: bool = False) -> ctypes.CDL
         logger.warning("flashlm: no C compiler found; %s runs as torch ops (slower).", name)
         return None
     flags = ("-O3", *target_flags(), "-shared", "-fPIC", *(("-fopenmp",) if openmp else ()))
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + _cpu_signature().encode())
+    headers = b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode() + _cpu_signature().encode())
     path = cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
     if not path.exists():
         try:
@@ -70,6 +75,19 @@ def load_library(source: Path, name: str, *, openmp: bool = False) -> ctypes.CDL
             logger.warning("flashlm: could not build %s (%s); using torch ops (slower).", name, detail)
             return None
     return ctypes.CDLL(str(path))
+
+
+def typed_functions(
+    library: ctypes.CDLL, prefix: str, argtypes: list
+) -> dict[torch.dtype, Callable[..., None]]:
+    """`{dtype: library.<prefix>_<suffix>}` for the element types flashlm's operators take, typed."""
+    functions = {}
+    for dtype, suffix in ELEMENT_SUFFIXES.items():
+        function = getattr(library, f"{prefix}_{suffix}")
+        function.argtypes = argtypes
+        function.restype = None
+        functions[dtype] = function
+    return functions
 
 
 def _build(compiler: str, flags: tuple[str, ...], source: Path, path: Path) -> None:

@@ -167,6 +167,7 @@ def replace_mlps(model: nn.Module, store: Store, config: FlashConfig) -> FlashRu
                 module = build_sparse_mlp(
                     config, layer, runtime, act, calibration=calibration, dense_class=dense_class
                 )
+                module.measure_products()  # at load, not in the first forward
             else:
                 resident = store.resident(layer)
                 module = StreamingMLP(

@@ -16,6 +16,7 @@
  * order), whatever the thread count, so results are deterministic.
  */
 #include <omp.h>
+#include "_elements.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -25,13 +26,6 @@
 #define BLOCK 1024
 #define GROUP 4
 
-static inline float bf16_to_float(uint16_t v) {
-    union { uint32_t u; float f; } x;
-    x.u = (uint32_t)v << 16;
-    return x.f;
-}
-static inline float f16_to_float(_Float16 v) { return (float)v; }
-static inline float f32_to_float(float v) { return v; }
 
 /* Up to GROUP rows with a nonzero coefficient, starting the scan at *k; returns how many. */
 static inline int next_group(const float *coef, int64_t ldc, int64_t T, int64_t n, int64_t *k,

@@ -12,17 +12,11 @@
  */
 #include <math.h>
 #include <omp.h>
+#include "_elements.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t v) {
-    union { uint32_t u; float f; } x;
-    x.u = (uint32_t)v << 16;
-    return x.f;
-}
-static inline float f16_to_float(_Float16 v) { return (float)v; }
-static inline float f32_to_float(float v) { return v; }
 
 static inline uint32_t bits_of(float f) {
     union { float f; uint32_t u; } x;

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .._native import load_library
+from .._native import load_library, typed_functions
 
 SOURCE = Path(__file__).with_name("_columns.c")
 PREFILL_TOKENS = 32
@@ -45,7 +45,6 @@ product long enough (~0.1 ms and up) that timer and scheduler noise do not decid
 MIN_SAMPLE_ROWS = 64
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 
 @functools.cache
@@ -53,12 +52,7 @@ def _native_functions() -> dict[torch.dtype, Callable] | None:
     library = load_library(SOURCE, "columns", openmp=True)
     if library is None:
         return None
-    functions = {}
-    for dtype, suffix in _SUFFIX.items():
-        function = getattr(library, f"flashlm_columns_{suffix}")
-        function.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I, _I]
-        function.restype = None
-        functions[dtype] = function
+    functions: dict = typed_functions(library, "flashlm_columns", [_P, _I, _I, _I, _P, _I, _P, _P, _I, _I])
     library.flashlm_flush.argtypes = [_P, _I]
     library.flashlm_flush.restype = None
     functions["flush"] = library.flashlm_flush

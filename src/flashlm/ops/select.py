@@ -15,11 +15,10 @@ from pathlib import Path
 
 import torch
 
-from .._native import load_library
+from .._native import load_library, typed_functions
 
 SOURCE = Path(__file__).with_name("_select.c")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 
 @functools.cache
@@ -27,13 +26,7 @@ def _functions() -> dict[torch.dtype, Callable] | None:
     library = load_library(SOURCE, "select", openmp=True)
     if library is None:
         return None
-    functions = {}
-    for dtype, suffix in _SUFFIX.items():
-        function = getattr(library, f"flashlm_topk_{suffix}")
-        function.argtypes = [_P, _I, _I, _I, _P, ctypes.c_float, _I, _P, _I]
-        function.restype = None
-        functions[dtype] = function
-    return functions
+    return typed_functions(library, "flashlm_topk", [_P, _I, _I, _I, _P, ctypes.c_float, _I, _P, _I])
 
 
 def topk_mask(

@@ -196,7 +196,7 @@ class SparseMLP(FlashMLP):
         }
         self.column_products: dict[int, ColumnProduct] = {}
         """The measured implementation of each width of column product this method computes
-        (`measure_products`, which `build_sparse_mlp` calls at load)."""
+        (`measure_products`, which `replace_mlps` calls at load; else measured on first use)."""
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -547,7 +547,7 @@ class CATSMLP(GatePruningMLP):
         return threshold_mask(a, self.threshold)
 
 
-def _sparse_module(
+def build_sparse_mlp(
     config: FlashConfig,
     layer: int,
     runtime: FlashRuntime,
@@ -556,7 +556,11 @@ def _sparse_module(
     calibration: Calibration | None,
     dense_class: type[nn.Module] | None = None,
 ) -> SparseMLP:
-    """`build_sparse_mlp` before the measurement of its products."""
+    """The module of `config.method` for one layer, its unit counts derived from `config.density`.
+    (`replace_mlps` then has it measure its column products: `SparseMLP.measure_products`.)
+
+    Raises `CalibrationMissingError` when the method needs thresholds that were never calibrated.
+    """
     store = runtime.store
     density = config.density
     common = {"d_model": store.d_model, "d_ff": store.d_ff, "dense_class": dense_class}
@@ -590,25 +594,6 @@ def _sparse_module(
         return CATSMLP(layer, runtime, act, k_out=k_out, threshold=threshold, **common)
     cls = {"up": UpPruningMLP, "gate": GatePruningMLP}[config.method]
     return cls(layer, runtime, act, k_out=k_out, **common)
-
-
-def build_sparse_mlp(
-    config: FlashConfig,
-    layer: int,
-    runtime: FlashRuntime,
-    act: nn.Module,
-    *,
-    calibration: Calibration | None,
-    dense_class: type[nn.Module] | None = None,
-) -> SparseMLP:
-    """The module of `config.method` for one layer, its unit counts derived from `config.density`, its
-    column products measured on this machine.
-
-    Raises `CalibrationMissingError` when the method needs thresholds that were never calibrated.
-    """
-    module = _sparse_module(config, layer, runtime, act, calibration=calibration, dense_class=dense_class)
-    module.measure_products()
-    return module
 
 
 READ_AHEAD_MAX_SKIPPED = 0.05
