@@ -31,10 +31,8 @@ from reader_profile import BackgroundLoop, DecodeLoad  # from this folder
 from flashlm import FlashConfig
 from flashlm.models import default_model_path
 from flashlm.patching import open_store_for_checkpoint
-from flashlm.runtime import READER_BUFFER_CAP
 from flashlm.store import add_kinds
 from flashlm.store.reader import StoreReader
-from flashlm.store.rowfile import ALIGNMENT
 
 KIND = "bundle"
 
@@ -71,13 +69,11 @@ def main() -> None:
     model_path = default_model_path()
     store = add_kinds(open_store_for_checkpoint(model_path, FlashConfig()), [KIND])  # derived once
     files = {(layer, KIND): store.row_file(layer, KIND) for layer in range(store.num_layers)}
-    largest = max(f.nbytes for f in files.values())
     reader = StoreReader(
         files,
         direct_io=True,
         threads=args.threads,
         chunk_bytes=None if args.chunk_kib is None else args.chunk_kib * 1024,
-        buffer_bytes=min(largest + 2 * ALIGNMENT, READER_BUFFER_CAP),
     )
     print(
         f"store {store.path}; reader: {reader.mode}, {reader.threads} threads x "

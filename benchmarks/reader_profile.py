@@ -36,7 +36,6 @@ import torch
 from flashlm import FlashConfig
 from flashlm.models import default_model_path
 from flashlm.patching import open_store_for_checkpoint
-from flashlm.runtime import READER_BUFFER_CAP
 from flashlm.sim.hardware import PRESETS, save_profile
 from flashlm.store import add_kinds
 from flashlm.store.reader import DEFAULT_MERGE_GAP_BYTES, StoreReader
@@ -145,8 +144,7 @@ def main() -> None:
     model_path = default_model_path()
     store = add_kinds(open_store_for_checkpoint(model_path, FlashConfig()), [KIND])  # derived once
     files = {(layer, KIND): store.row_file(layer, KIND) for layer in range(store.num_layers)}
-    largest = max(f.nbytes for f in files.values())
-    reader = StoreReader(files, direct_io=True, buffer_bytes=min(largest + 2 * ALIGNMENT, READER_BUFFER_CAP))
+    reader = StoreReader(files, direct_io=True)  # an I/O buffer the size of the largest file
     row_bytes = files[(0, KIND)].row_bytes
     print(
         f"store {store.path}: {KIND} rows of {row_bytes} bytes; load: {args.load}; {args.seconds} s per cell"

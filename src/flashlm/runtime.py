@@ -19,9 +19,6 @@ from .store.format import dense_kinds
 from .store.reader import row_matrix
 from .trace import TraceRecorder
 
-READER_BUFFER_CAP = 16 * 2**20
-"""Largest reader I/O buffer: bigger reads are served in batches of this size."""
-
 
 @dataclass(frozen=True)
 class Fetch:
@@ -49,7 +46,8 @@ class FlashRuntime:
     The budget covers everything flashlm allocates for streaming: the staging buffers (two per kind,
     one layer's units each, so the next layer's reads land while this layer computes: dense streaming
     reads every kind ahead, a sparse method its first stage, and both stages in a multi-token
-    forward), the reader's I/O buffer, and every cache's slots and indices.
+    forward) and every cache's slots and indices. Reads land in place in the staging matrices, so the
+    reader needs no I/O buffer of its own.
 
     Reads run on one background thread (which fans out over the reader's pool), one at a time, so
     counters measured around a read belong to it alone. For the `read_ahead` kinds (dense
@@ -77,13 +75,12 @@ class FlashRuntime:
         row_files = {
             (layer, kind): store.row_file(layer, kind) for layer in range(store.num_layers) for kind in kinds
         }
-        largest = max(f.nbytes for f in row_files.values())
         self.reader = StoreReader(
             row_files,
             direct_io=config.direct_io,
             threads=config.io_threads,
             chunk_bytes=config.io_chunk_bytes,
-            buffer_bytes=min(largest + 2 * ALIGNMENT, READER_BUFFER_CAP),
+            buffer_bytes=0,  # every read lands in place in a staging matrix: no I/O buffer
         )
         self.num_layers = store.num_layers
         self.d_model = store.d_model
@@ -105,7 +102,7 @@ class FlashRuntime:
             self.budget_bytes,
             unit_bytes=[row_files[key].width * self.slot_dtypes[key[1]].itemsize for key in self._cache_keys],
             num_units=[row_files[key].rows for key in self._cache_keys],
-            overhead_bytes=staging_bytes + self.reader.buffer_bytes,
+            overhead_bytes=staging_bytes,
             policy=self._policy_name,
             cache_units=config.policy != "none",
             read_cost=(
@@ -273,12 +270,12 @@ class FlashRuntime:
             self.settle(*key)
 
     def resident_bytes(self) -> int:
-        """Bytes really allocated: caches (slots, indices, policy), staging, reader buffer."""
+        """Bytes really allocated: caches (slots, indices, policy) and staging matrices."""
         cache_bytes = sum(
             cache.nbytes + sum(b.numel() * b.element_size() for b in cache.policy.buffers())
             for cache in self.caches.values()
         )
-        return cache_bytes + self._staging_bytes() + self.reader.buffer_bytes
+        return cache_bytes + self._staging_bytes()
 
     def _staging_bytes(self) -> int:
         """The staging buffers' bytes, each with the spare block `row_matrix` allocates after it."""

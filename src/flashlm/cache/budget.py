@@ -76,8 +76,8 @@ def split_budget(
         raise BudgetTooSmallError(
             f"memory_budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is too small: "
             f"streaming needs at least {format_bytes(minimum)} ({minimum} bytes), i.e. "
-            f"{format_bytes(overhead_bytes)} of working memory (staging for a layer's misses, "
-            f"workspace and I/O buffers) plus {format_bytes(fixed_bytes)} of cache indices, before a "
+            f"{format_bytes(overhead_bytes)} of working memory (staging matrices for a layer's "
+            f"misses) plus {format_bytes(fixed_bytes)} of cache indices, before a "
             f"single unit can be cached. Set a larger memory_budget.",
             minimum_bytes=minimum,
         )

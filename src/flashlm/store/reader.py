@@ -192,7 +192,8 @@ class StoreReader:
             the latency x bandwidth model; 0 merges only touching runs).
         buffer_bytes: size of the I/O buffer; a call needing more is served in batches. Default:
             the largest file's size plus two alignment blocks, so any call fits in one batch. 0: no
-            buffer, for a reader that serves only `read_all` (which reads into the caller's memory).
+            buffer, for a reader that serves only `read_all` and `read_in_place` (which read into the
+            caller's memory).
     """
 
     mode: str
@@ -328,7 +329,10 @@ class StoreReader:
         if key not in self.files:
             raise KeyError(f"No store file under key {key!r}.")
         if not self._serves_rows:
-            raise ValueError("This StoreReader has no I/O buffer (buffer_bytes=0): it serves read_all only.")
+            raise ValueError(
+                "This StoreReader has no I/O buffer (buffer_bytes=0): it serves read_all and "
+                "read_in_place only."
+            )
         f = self.files[key]
         self._check_args(f, ids, out)
         if len(ids) == 0:
