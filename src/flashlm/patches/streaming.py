@@ -177,14 +177,12 @@ class StreamingMLP(FlashMLP):
             # Many tokens: one product over the whole matrix, as the dense model computes it.
             matrix[:cached].copy_(cache.rows[:cached])
             return F.linear(x, matrix, bias)
-        # One token: the cached rows' outputs and the read rows' outputs, each written in place.
-        out = x.new_empty(1, cache.num_units)
-        for rows, first, last in ((cache.rows, 0, cached), (matrix, cached, cache.num_units)):
-            if bias is None:
-                torch.mm(x, rows[first:last].t(), out=out[:, first:last])
-            else:
-                torch.addmm(bias[first:last], x, rows[first:last].t(), out=out[:, first:last])
-        return out
+        # One token: the cached rows' outputs, then the read rows' (a row's output does not depend on
+        # the rows computed beside it, so this equals the whole matrix's product).
+        head = cache.rows if cached == cache.rows.shape[0] else cache.rows[:cached]
+        if bias is None:
+            return torch.cat((F.linear(x, head), F.linear(x, matrix[cached:])), 1)
+        return torch.cat((F.linear(x, head, bias[:cached]), F.linear(x, matrix[cached:], bias[cached:])), 1)
 
     def _account(self, kind: str, cache: NeuronCache, fetch: Fetch) -> int:
         """Counters, the trace, and (only while the cache has free slots) admission; returns evictions."""
