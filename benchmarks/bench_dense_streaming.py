@@ -33,8 +33,8 @@ from flashlm.eval.decode import PROMPT, run_in_subprocess
 def minimum_budget(store_path: Path) -> int:
     """The smallest budget dense streaming accepts on this store (one layer's working set)."""
     import flashlm
+    from flashlm.engine.runtime import FlashRuntime
     from flashlm.errors import BudgetTooSmallError
-    from flashlm.runtime import FlashRuntime
 
     try:
         FlashRuntime(flashlm.Store.open(store_path), flashlm.FlashConfig(memory_budget=1))
@@ -94,7 +94,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import flashlm
-    from flashlm.models import default_model_path
+    from flashlm.data.models import default_model_path
 
     model = Path(args.model) if args.model else default_model_path()
     out_dir = Path(args.out)

@@ -20,9 +20,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import flashlm
+from flashlm.data.models import default_model_path
+from flashlm.engine.runtime import FlashRuntime
 from flashlm.errors import BudgetTooSmallError
-from flashlm.models import default_model_path
-from flashlm.runtime import FlashRuntime
 
 SETTINGS = [(8, 64 << 10), (4, 128 << 10), (4, 256 << 10), (3, 256 << 10), (2, 512 << 10), (2, 1 << 20)]
 

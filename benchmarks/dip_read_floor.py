@@ -81,8 +81,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from flashlm.eval.corpora import corpus_tokens
-    from flashlm.models import default_model_path
+    from flashlm.data.corpora import corpus_tokens
+    from flashlm.data.models import default_model_path
 
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()

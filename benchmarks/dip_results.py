@@ -50,10 +50,11 @@ def read_csv(path: Path) -> list[dict]:
 
 
 def stage_ppl(args, model: Path) -> None:
-    from flashlm.calibration import Calibration, calibrate
     from flashlm.config import FlashConfig
     from flashlm.eval.sweep import sweep
+    from flashlm.methods.calibration import Calibration
     from flashlm.patching import open_store_for_checkpoint
+    from flashlm.workflows.calibrate import calibrate
 
     store = open_store_for_checkpoint(model, FlashConfig())
     if Calibration.load(store.path, store.content_sha256) is None:
@@ -145,9 +146,9 @@ def stage_decode(args, model: Path) -> None:
 
 
 def stage_report(args) -> str:
+    from flashlm.engine.trace import Trace
     from flashlm.eval.sweep import plot_throughput_vs_perplexity
     from flashlm.sim import replay
-    from flashlm.trace import Trace
 
     table1 = read_csv(args.out / "table1" / "sweep.csv")
     sweep2 = read_csv(args.out / "table2-sweep" / "sweep.csv")
@@ -292,7 +293,7 @@ def main() -> None:
     args = parser.parse_args()
     args.corpora = args.corpora.split(",")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from flashlm.models import default_model_path
+    from flashlm.data.models import default_model_path
 
     model = Path(args.model) if args.model else default_model_path()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 
 from flashlm.config import Budget
-from flashlm.endor.offload import working_bytes
 from flashlm.eval.decode import run_in_subprocess
 from flashlm.eval.timeline import plot_layer_times, plot_step_timelines
+from flashlm.methods.endor import working_bytes
 
 
 def pruned_model(path: Path) -> Path:

@@ -253,7 +253,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def bundled_model(name: str) -> Path:
-    from flashlm.models import model_path
+    from flashlm.data.models import model_path
 
     return model_path(name)
 

@@ -1,6 +1,6 @@
 """Perplexity of SmolLM2 dense, Wanda-pruned to 50% unstructured, and Wanda-pruned to 2:4.
 
-Prunes the model (default: the embedded SmolLM2-135M-Instruct) with `flashlm.endor.prune`, calibrated
+Prunes the model (default: the embedded SmolLM2-135M-Instruct) with `flashlm.workflows.prune`, calibrated
 on the calibration split of one corpus, into `<out>/wanda-50` (50% unstructured, the checkpoint other
 benchmarks reuse) and `<out>/wanda-2-4` (2:4), then measures the perplexity of the dense and both
 pruned checkpoints on the test split of each corpus (plain transformers models, no flashlm patching)
@@ -18,7 +18,12 @@ import os
 import sys
 from pathlib import Path
 
-from flashlm.endor.prune import DEFAULT_CONTEXT_LENGTH, DEFAULT_WINDOWS, prune_checkpoint, read_pruning_record
+from flashlm.workflows.prune import (
+    DEFAULT_CONTEXT_LENGTH,
+    DEFAULT_WINDOWS,
+    prune_checkpoint,
+    read_pruning_record,
+)
 
 VARIANTS = {
     # directory name -> (label, sparsity, n_m)
@@ -102,8 +107,8 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from flashlm.eval.corpora import corpus_tokens, require
-    from flashlm.models import default_model_path
+    from flashlm.data.corpora import corpus_tokens, require
+    from flashlm.data.models import default_model_path
 
     corpus_names = [name.strip() for name in args.corpora.split(",") if name.strip()]
     for name in {*corpus_names, args.calibration_corpus}:

@@ -29,7 +29,7 @@ import torch
 from reader_profile import BackgroundLoop, DecodeLoad  # from this folder
 
 from flashlm import FlashConfig
-from flashlm.models import default_model_path
+from flashlm.data.models import default_model_path
 from flashlm.patching import open_store_for_checkpoint
 from flashlm.store import add_kinds
 from flashlm.store.reader import StoreReader

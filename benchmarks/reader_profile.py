@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from flashlm import FlashConfig
-from flashlm.models import default_model_path
+from flashlm.data.models import default_model_path
 from flashlm.patching import open_store_for_checkpoint
 from flashlm.sim.hardware import PRESETS, save_profile
 from flashlm.store import add_kinds

@@ -29,10 +29,10 @@ import argparse
 import json
 from pathlib import Path
 
-from flashlm.models import default_model_path
+from flashlm.data.models import default_model_path
+from flashlm.engine.trace import Trace
 from flashlm.sim.hardware import get_preset
 from flashlm.sim.simulator import ModelDims, Workload, simulate
-from flashlm.trace import Trace
 
 
 def _measured_io(row: dict) -> tuple[float, str]:

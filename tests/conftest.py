@@ -7,7 +7,7 @@
   no test writes stores into the user's cache. The one exception is the embedded default model
   (SmolLM2, ~20 s to convert): `smollm2_dir` converts it into the user's *real* cache, whose root is
   read here, at import, before the override (`_REAL_CACHE_ROOT`), and passed to
-  `flashlm.models.default_model_path(cache_root=...)`, so the conversion is reused across runs.
+  `flashlm.data.models.default_model_path(cache_root=...)`, so the conversion is reused across runs.
 - Tests marked `gpu` are skipped without CUDA.
 """
 
@@ -296,7 +296,7 @@ def smollm2_dir() -> Path:
 
     Tests using it mark themselves `@pytest.mark.slow`.
     """
-    from flashlm.models import default_model_path
+    from flashlm.data.models import default_model_path
 
     return default_model_path(progress=False, cache_root=_REAL_CACHE_ROOT)
 

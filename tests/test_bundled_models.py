@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from flashlm import models
+from flashlm.data import models
 from flashlm.errors import FlashLMError
 
 PREFIX = "fakegguf_part"
@@ -335,7 +335,7 @@ def test_model_path_passes_directories_through_and_names_the_known_models(tmp_pa
 
 
 def test_cli_resolves_model_names(monkeypatch, tmp_path):
-    from flashlm import cli
+    from flashlm.cli import main as cli  # the module
 
     monkeypatch.setattr(models, "_converted", lambda model, **kwargs: tmp_path / model.name)
     assert cli._model_dir("qwen2.5-1.5b") == tmp_path / "qwen2.5-1.5b"

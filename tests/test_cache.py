@@ -20,7 +20,8 @@ from flashlm.cache import (
     policy_state_bytes,
     split_budget,
 )
-from flashlm.config import POLICIES, FlashConfig
+from flashlm.cache.policies import NO_CACHE
+from flashlm.config import FlashConfig
 from flashlm.errors import BudgetTooSmallError, ConfigError
 
 WIDTH = 3
@@ -281,7 +282,7 @@ def test_rows_are_preallocated_once() -> None:
 
 
 def test_unknown_policy_names_the_available_ones() -> None:
-    with pytest.raises(ConfigError, match="lfu, lru, window"):
+    with pytest.raises(ConfigError, match=r"Available eviction policies: .*lfu, lru, window"):
         make_policy("belady-ish", 4)
     with pytest.raises(ConfigError):
         policy_state_bytes("nope", 4)
@@ -294,10 +295,11 @@ def test_unknown_policy_names_the_available_ones() -> None:
 
 
 def test_registry_and_state_bytes_agree_with_allocation() -> None:
-    assert {"lru", "lfu", "window", "atu"} <= set(available_policies())
-    # Every cache policy FlashConfig accepts is registered ("none" runs the cache at capacity 0).
-    assert set(POLICIES) - {"none"} <= set(available_policies())
-    assert FlashConfig(policy="atu").policy == "atu"
+    # FlashConfig accepts exactly the registered policies and NO_CACHE (the cache at capacity 0).
+    for name in (*available_policies(), NO_CACHE):
+        assert FlashConfig(policy=name).policy == name
+    with pytest.raises(ConfigError, match="atu, belady, lfu, lru, window, none"):
+        FlashConfig(policy="fifo")
     for name in available_policies():
         policy = make_policy(name, 37)
         assert isinstance(policy, EvictionPolicy)

@@ -9,15 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import flashlm
-from flashlm.calibration import (
-    CALIBRATION_FILE,
-    Calibration,
-    calibrate_model,
-    fit_split,
-    pareto_front,
-    split_from_fit,
-)
+from flashlm.methods.calibration import CALIBRATION_FILE, Calibration, fit_split, pareto_front, split_from_fit
 from flashlm.patching import streaming_mlps
+from flashlm.workflows.calibrate import CALIBRATION_OPTIONS, calibrate_model
 
 
 def logit(p: float) -> float:
@@ -96,7 +90,10 @@ def test_calibrate_model_on_the_tiny_llama(make_tiny_checkpoint, tmp_path) -> No
     path = make_tiny_checkpoint("llama", dtype=torch.float32)
     store = tmp_path / "store"
     config = flashlm.FlashConfig(
-        method="dip", store=str(store), memory_budget="10MB", **flashlm.calibration.CALIBRATION_OPTIONS
+        method="dip",
+        store=str(store),
+        memory_budget="10MB",
+        **CALIBRATION_OPTIONS,
     )
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config).eval()
     ids = torch.randint(3, 128, (512,), generator=torch.Generator().manual_seed(0))

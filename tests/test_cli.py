@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from flashlm.cli import main
+from flashlm.cli.main import main
 
 
 def test_convert_then_info(make_tiny_checkpoint, tmp_path, capsys):
@@ -85,7 +85,7 @@ def test_eval_help(capsys):
 
 
 def test_runtime_options_map_to_flash_config():
-    from flashlm.cli import _config, build_parser
+    from flashlm.cli.main import _config, build_parser
 
     args = build_parser().parse_args(
         ["generate", "--method", "dip-ca", "--density", "0.5", "--policy", "none"]
@@ -117,7 +117,7 @@ def test_eval_errors_exit_2(make_tiny_checkpoint, capsys):
 
 
 def test_eval_ppl_and_sweep_end_to_end(make_tiny_checkpoint, tmp_path, capsys, monkeypatch):
-    from flashlm.eval import corpora
+    from flashlm.data import corpora
 
     head = corpora.corpus_text("shakespeare")[:100_000]  # tokenizing all of it takes seconds
     monkeypatch.setitem(corpora._READERS, "shakespeare", lambda: head)

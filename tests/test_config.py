@@ -42,12 +42,12 @@ def test_budget_forms():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"method": "magic"}, "Available methods: dense"),
+        ({"method": "magic"}, "Available methods: cats, dense, dip, endor"),
         ({"density": 0.0}, r"\(0, 1\]"),
         ({"density": 1.5}, r"\(0, 1\]"),
         ({"density": "half"}, "number"),
         ({"method": "dense", "density": 0.5}, "density must be 1.0"),
-        ({"policy": "random"}, "lru, lfu, window, none"),
+        ({"policy": "random"}, "lfu, lru, window, none"),
         ({"window": 0}, "window"),
         ({"io_threads": 0}, "io_threads"),
         ({"io_chunk_bytes": 1000}, "multiple of 4096"),

@@ -14,7 +14,6 @@ from transformers import AutoModelForCausalLM
 import flashlm
 from flashlm.arch import decoder_layers
 from flashlm.endor.codec import decompress, decompress_rows
-from flashlm.endor.offload import EndorLinear, endor_linears, working_bytes
 from flashlm.endor.store import EndorStore, convert_endor, endor_layout, layer_placement, read_rows
 from flashlm.errors import (
     BudgetTooSmallError,
@@ -23,6 +22,7 @@ from flashlm.errors import (
     StoreCorruptError,
     StoreMismatchError,
 )
+from flashlm.methods.endor import EndorLinear, endor_linears, working_bytes
 from flashlm.store.reader import StoreReader
 
 ARCHITECTURES = ["llama", "qwen2", "phi3", "opt", "gemma2"]
@@ -253,7 +253,7 @@ def test_patch_in_memory_save_and_unpatch(pruned_checkpoint, tmp_path: Path) -> 
 
 
 def test_cli_converts_and_generates_with_endor(pruned_checkpoint, tmp_path: Path, capsys) -> None:
-    from flashlm.cli import main
+    from flashlm.cli.main import main
 
     path = pruned_checkpoint("llama")
     assert main(["convert", str(path), str(tmp_path / "store"), "--format", "endor"]) == 0
@@ -267,7 +267,7 @@ def test_smollm2_pruned_endor_decodes_like_the_pruned_model_in_ram(smollm2_dir: 
     in memory and on disk, 24 greedy tokens identical to the pruned model in RAM, 56.25% of the bytes."""
     from transformers import AutoTokenizer
 
-    from flashlm.endor.prune import prune_checkpoint
+    from flashlm.workflows.prune import prune_checkpoint
 
     pruned = tmp_path / "pruned"
     prune_checkpoint(smollm2_dir, pruned, sparsity=0.5, num_windows=4, context_length=128, progress=False)

@@ -16,9 +16,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 import flashlm
-from flashlm.errors import ConfigError, CorpusNotFoundError
-from flashlm.eval import corpora
-from flashlm.eval.corpora import (
+from flashlm.data import corpora
+from flashlm.data.corpora import (
     CORPORA,
     corpus_path,
     corpus_text,
@@ -28,14 +27,8 @@ from flashlm.eval.corpora import (
     split_tokens,
     strip_gutenberg,
 )
-from flashlm.eval.perplexity import (
-    METHOD_SPECS,
-    PerplexityResult,
-    evaluate,
-    num_windows,
-    parse_method_spec,
-    perplexity,
-)
+from flashlm.errors import ConfigError, CorpusNotFoundError
+from flashlm.eval.perplexity import PerplexityResult, evaluate, num_windows, perplexity
 from flashlm.eval.sweep import (
     CSV_COLUMNS,
     CSV_NAME,
@@ -44,6 +37,7 @@ from flashlm.eval.sweep import (
     plot_throughput_vs_perplexity,
     sweep,
 )
+from flashlm.methods.specs import method_specs, parse_method_spec
 
 VOCAB = 128  # the tiny checkpoints' vocabulary
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -234,7 +228,7 @@ def test_unknown_method_spec_lists_the_valid_forms(spec):
     with pytest.raises(ConfigError) as info:
         parse_method_spec(spec)
     if "γ" not in str(info.value):
-        assert all(form in str(info.value) for form in METHOD_SPECS)
+        assert all(form in str(info.value) for form in method_specs())
 
 
 # ---- corpora ----------------------------------------------------------------------------------
@@ -483,7 +477,7 @@ def test_bench_smoke_on_a_tiny_model(tiny_path, tmp_path, capsys) -> None:
     import json
     import shutil
 
-    from flashlm.cli import main
+    from flashlm.cli.main import main
 
     model = tmp_path / "model"
     shutil.copytree(tiny_path, model)
@@ -585,7 +579,7 @@ def _bench_argv(model, tmp_path, *extra: str, warm: bool = True) -> list[str]:
 )
 def test_bench_checks_its_arguments_before_any_run(bench_model, tmp_path, monkeypatch, capsys, extra, match):
     """A wrong argument fails at once, with a message and exit 2, before any configuration runs."""
-    from flashlm.cli import main
+    from flashlm.cli.main import main
     from flashlm.eval import bench
 
     calls = []
@@ -635,7 +629,7 @@ def test_bench_writes_each_result_as_it_is_measured(bench_model, tmp_path, monke
     ratios recomputed from what is there; perplexity is added at the end."""
     import json
 
-    from flashlm.cli import main
+    from flashlm.cli.main import main
     from flashlm.eval import bench
 
     out = tmp_path / "out"
@@ -674,7 +668,7 @@ def test_a_failing_configuration_leaves_the_others_and_exits_nonzero(
     its error, scores perplexity of the rest only and exits 1 naming it."""
     import json
 
-    from flashlm.cli import main
+    from flashlm.cli.main import main
     from flashlm.eval import bench
 
     out = tmp_path / "out"

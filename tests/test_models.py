@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from flashlm import models
+from flashlm.data import models
 from flashlm.errors import CacheDirError, FlashLMError
 
 

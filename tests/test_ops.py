@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flashlm.methods.masking import cache_aware_scores, magnitude_topk, topk_mask
 from flashlm.ops import columns, select
 from flashlm.ops.columns import ColumnProduct, native, slot_dtype
-from flashlm.patches.masking import cache_aware_scores, magnitude_topk, topk_mask
 
 needs_native = pytest.mark.skipif(
     columns._native_functions() is None, reason="no C compiler here: the native column kernel is not built"

@@ -11,8 +11,9 @@ from conftest import TINY_CONFIGS, TINY_VARIANTS
 from transformers import AutoModelForCausalLM
 
 import flashlm
+from flashlm.engine.runtime import FlashRuntime
 from flashlm.errors import BudgetTooSmallError, StoreMismatchError, UnsupportedArchitectureError
-from flashlm.patches import StreamingMLP
+from flashlm.methods import StreamingMLP
 from flashlm.patching import streaming_mlps
 
 ARCHS = sorted(TINY_CONFIGS | TINY_VARIANTS)
@@ -23,7 +24,7 @@ working memory (tiny models' working memory exceeds their MLP bytes, so percenta
 
 def minimum_budget(store_path) -> int:
     with pytest.raises(BudgetTooSmallError) as info:
-        flashlm.runtime.FlashRuntime(flashlm.Store.open(store_path), flashlm.FlashConfig(memory_budget=1))
+        FlashRuntime(flashlm.Store.open(store_path), flashlm.FlashConfig(memory_budget=1))
     return info.value.minimum_bytes
 
 

@@ -1,4 +1,4 @@
-"""Wanda pruning (`flashlm.endor.prune`): masks, calibration hooks, in-place pruning, checkpoints, CLI."""
+"""Wanda pruning (`flashlm.workflows.prune`): masks, calibration hooks, in-place pruning, checkpoints, CLI."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import torch
 from conftest import build_tiny_model
 from torch import nn
 
-from flashlm.cli import build_parser, main
-from flashlm.endor.prune import (
+from flashlm.cli.main import build_parser, main
+from flashlm.errors import ConfigError
+from flashlm.workflows.prune import (
     PRUNING_FILE,
     WandaStats,
     calibration_windows,
@@ -23,7 +24,6 @@ from flashlm.endor.prune import (
     resolve_pattern,
     wanda_mask,
 )
-from flashlm.errors import ConfigError
 
 ARCHS = ["llama", "qwen2", "opt", "phi3", "falcon", "gemma3"]
 # Linears per decoder layer: attention projections + MLP projections.
@@ -116,7 +116,7 @@ def test_wanda_mask_ties_keep_the_lower_columns():
 
 
 def test_wanda_mask_in_chunks_equals_one_pass(monkeypatch):
-    import flashlm.endor.prune as prune
+    import flashlm.workflows.prune as prune
 
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(37, 24, generator=generator)
@@ -435,7 +435,7 @@ def test_cli_prune_model_defaults_to_the_embedded_model():
 def test_smollm2_pruned_at_half_stays_usable(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from flashlm.eval.corpora import corpus_tokens
+    from flashlm.data.corpora import corpus_tokens
     from flashlm.eval.perplexity import perplexity
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)

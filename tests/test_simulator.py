@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import torch
 
+from flashlm.cli.sim import add_simulate_parser, cmd_simulate
+from flashlm.engine.trace import TraceRecorder
 from flashlm.errors import ConfigError
 from flashlm.sim import replay
-from flashlm.sim.cli import add_simulate_parser, cmd_simulate
 from flashlm.sim.hardware import GB, PRESETS, HardwareProfile, KiB, get_preset
 from flashlm.sim.plots import plot_memory_sweep, sweep_memory
 from flashlm.sim.reproductions import REPRODUCTIONS, TOLERANCE, opt_windowed
@@ -33,7 +34,6 @@ from flashlm.sim.simulator import (
     simulate,
 )
 from flashlm.store.reader import DEFAULT_CHUNK_BYTES, DEFAULT_MERGE_GAP_BYTES, plan_reads, split_chunks
-from flashlm.trace import TraceRecorder
 
 A18 = PRESETS["a18"]
 M1_MAX = PRESETS["m1-max"]

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import flashlm
+from flashlm.engine.runtime import FlashRuntime
 from flashlm.errors import BudgetTooSmallError
 
 pytestmark = pytest.mark.slow
@@ -39,7 +40,7 @@ def store(smollm2_dir, tmp_path_factory):
 
 def minimum_budget(store) -> int:
     with pytest.raises(BudgetTooSmallError) as info:
-        flashlm.runtime.FlashRuntime(flashlm.Store.open(store), flashlm.FlashConfig(memory_budget=1))
+        FlashRuntime(flashlm.Store.open(store), flashlm.FlashConfig(memory_budget=1))
     return info.value.minimum_bytes
 
 

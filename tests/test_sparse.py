@@ -15,11 +15,12 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 import flashlm
-import flashlm.patches.sparse as sparse_module
-from flashlm.calibration import Calibration
+import flashlm.methods.sparse as sparse_module
+from flashlm.engine.runtime import FlashRuntime
 from flashlm.errors import BudgetTooSmallError, ConfigError
-from flashlm.patches import CATSMLP, DIPMLP, SparseMLP, StreamingMLP, reads_ahead
-from flashlm.patches.masking import (
+from flashlm.methods import CATSMLP, DIPMLP, SparseMLP, StreamingMLP, reads_ahead
+from flashlm.methods.calibration import Calibration
+from flashlm.methods.masking import (
     cache_aware_scores,
     threshold_for_density,
     threshold_mask,
@@ -27,7 +28,6 @@ from flashlm.patches.masking import (
     union_ids,
 )
 from flashlm.patching import module_class, streaming_mlps
-from flashlm.runtime import FlashRuntime
 from flashlm.store import add_kinds
 from flashlm.store.format import dense_kinds
 
@@ -415,7 +415,7 @@ def test_read_ahead_changes_nothing_but_the_reads(options, tiny_llama) -> None:
 def test_reads_ahead_where_the_reader_would_read_the_gaps_anyway() -> None:
     from types import SimpleNamespace
 
-    from flashlm.patches import reads_ahead
+    from flashlm.methods import reads_ahead
     from flashlm.store.reader import DEFAULT_MERGE_GAP_BYTES
 
     def store(row_bytes: int):
@@ -474,16 +474,16 @@ def test_thresholds_without_calibration_raise(make_tiny_checkpoint, tmp_path) ->
     config = flashlm.FlashConfig(
         method="cats", density=0.5, store=str(tmp_path / "store"), memory_budget="10MB"
     )
-    with pytest.raises(flashlm.calibration.CalibrationMissingError, match="flashlm calibrate"):
+    with pytest.raises(flashlm.methods.calibration.CalibrationMissingError, match="flashlm calibrate"):
         AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
 
 
 def test_trace_replay_reproduces_the_live_cache(tiny_llama, tmp_path) -> None:
     """The units recorded in a run, replayed offline with the same policy and capacities, give the
     run's own hits and misses: the simulator's cache is the real one."""
+    from flashlm.engine.trace import Trace
     from flashlm.patching import trace
     from flashlm.sim import replay
-    from flashlm.trace import Trace
 
     path, _, store = tiny_llama
     model = load(path, store, cached=0.4, method="dip", density=0.5, record_trace=True)

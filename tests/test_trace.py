@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from flashlm.engine.trace import Trace, TraceError, TraceRecorder
 from flashlm.errors import FlashLMError
-from flashlm.trace import Trace, TraceError, TraceRecorder
 
 NUM_UNITS = {"ffn": 40, "attn": 7}
 UNIT_BYTES = {"ffn": 96, "attn": 512}

@@ -1,7 +1,6 @@
 """flashlm: run language models larger than memory by streaming sparse MLPs from an SSD store."""
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .config import FlashConfig
 from .integrations.transformers import register as _register
 from .patching import patch, stats, unpatch

@@ -17,14 +17,12 @@ from typing import Any
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ._utils import parse_bytes
+from .cache.policies import NO_CACHE, POLICIES
 from .errors import ConfigError
+from .methods import METHODS
 
 QUANT_METHOD = "flashlm"
-METHODS = ("dense", "dip", "glu", "gate", "up", "cats", "endor")
-GATED_METHODS = ("dip", "glu", "gate", "up", "cats")
-"""Methods that prune a gated (SwiGLU) MLP's projections separately: they need a gated MLP."""
 THRESHOLDS = ("token", "layer", "global")
-POLICIES = ("lru", "lfu", "window", "none", "atu")
 CACHE_SPLITS = ("read-cost", "size")
 PERSISTED_OPTIONS = (
     "method",
@@ -98,7 +96,7 @@ class FlashConfig(QuantizationConfigMixin):
             need density > 1/3.
         input_density: `"dip"` only: fraction of input columns kept for up/gate. The down
             density follows, `3 * density - 2 * input_density`. None takes the Pareto-optimal split
-            calibrated for the model (`flashlm.calibration`), or an equal split without one.
+            calibrated for the model (`flashlm.methods.calibration`), or an equal split without one.
         cache_aware: `"dip"` only: γ of cache-aware masking (DIP-CA, the paper's eq. 10): scores
             `|x| (c + γ (1 - c)) / max|x|` with c the cache residency, for both selections. 1.0
             (default) is plain DIP; the paper uses 0.2.
@@ -196,7 +194,9 @@ class FlashConfig(QuantizationConfigMixin):
     def post_init(self) -> None:
         """Validate every option; raises `ConfigError` saying which one and what is allowed."""
         if self.method not in METHODS:
-            raise ConfigError(f"Unknown method {self.method!r}. Available methods: {', '.join(METHODS)}.")
+            raise ConfigError(
+                f"Unknown method {self.method!r}. Available methods: {', '.join(METHODS.names())}."
+            )
         if isinstance(self.density, bool) or not isinstance(self.density, (int, float)):
             raise ConfigError(f"density must be a number in (0, 1], got {self.density!r}.")
         if not 0 < self.density <= 1:
@@ -213,8 +213,9 @@ class FlashConfig(QuantizationConfigMixin):
                 f"every token: density must be above 1/3, got {self.density}."
             )
         self._check_dip_options()
-        if self.policy not in POLICIES:
-            raise ConfigError(f"Unknown policy {self.policy!r}. Available policies: {', '.join(POLICIES)}.")
+        if self.policy != NO_CACHE and self.policy not in POLICIES:
+            choices = ", ".join((*POLICIES.names(), NO_CACHE))
+            raise ConfigError(f"Unknown policy {self.policy!r}. Available policies: {choices}.")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ConfigError(f"window must be a positive number of tokens, got {self.window!r}.")
         if self.io_threads is not None and (not isinstance(self.io_threads, int) or self.io_threads < 1):
@@ -275,7 +276,7 @@ class FlashConfig(QuantizationConfigMixin):
 
     def to_dict(self) -> dict[str, Any]:
         """The persisted options, stamped with the flashlm version (runtime options stay out)."""
-        from . import __version__
+        from ._version import __version__
 
         persisted = {name: getattr(self, name) for name in PERSISTED_OPTIONS}
         return {"quant_method": QUANT_METHOD, **persisted, "flashlm_version": __version__}

@@ -13,22 +13,23 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers.quantizers.auto import AutoHfQuantizer
 
 from ._utils import cache_dir
 from .arch import MLPSpec, find_mlps, mlp_weight_names, model_type_of, spec_for
-from .calibration import Calibration
 from .config import FlashConfig
 from .endor.codec import decompress
-from .endor.offload import EndorLinear, EndorStats, endor_linears, replace_linears
 from .endor.store import EndorStore, convert_endor, endor_layout
+from .engine.runtime import FlashRuntime
+from .engine.stats import FlashStats
+from .engine.trace import Trace
 from .errors import ConfigError, StoreMismatchError, UnsupportedArchitectureError
-from .patches import FlashMLP, StreamingMLP, build_sparse_mlp, method_class, reads_ahead
-from .runtime import FlashRuntime
-from .stats import FlashStats
+from .methods import FlashMLP, StreamingMLP, build_sparse_mlp, method_class, reads_ahead
+from .methods.calibration import Calibration
+from .methods.endor import EndorLinear, EndorStats, endor_linears, replace_linears
 from .store import ModuleSource, SafetensorsSource, Store, add_kinds, convert, mlp_content_sha256
 from .store.convert import layer_weights
 from .store.format import update_content_hash
-from .trace import Trace
 
 logger = logging.getLogger(__name__)
 
@@ -229,9 +230,9 @@ def patch(model: nn.Module, config: FlashConfig | None = None, *, progress: bool
     else:
         replace_mlps(model, open_store_for_module(model, config, progress=progress), config)
     if getattr(model, "hf_quantizer", None) is None and hasattr(model, "config"):
-        from .integrations.transformers import FlashQuantizer
-
-        model.hf_quantizer = FlashQuantizer(config, pre_quantized=False)
+        # transformers' registry holds flashlm's quantizer (`integrations.transformers.register`):
+        # saving the model then goes through it, as after `from_pretrained`.
+        model.hf_quantizer = AutoHfQuantizer.from_config(config, pre_quantized=False)
         model.config.quantization_config = config
         model.is_quantized = True
     return model
@@ -324,9 +325,8 @@ def unpatch(model: nn.Module) -> nn.Module:
 
 
 def _forget_quantizer(model: nn.Module) -> None:
-    from .integrations.transformers import FlashQuantizer
-
-    if isinstance(getattr(model, "hf_quantizer", None), FlashQuantizer):
+    quantizer = getattr(model, "hf_quantizer", None)
+    if isinstance(getattr(quantizer, "quantization_config", None), FlashConfig):
         del model.hf_quantizer
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config

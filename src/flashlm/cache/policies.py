@@ -13,48 +13,29 @@ them with the model, and `state_dict()` does not carry them (they describe one r
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
-from typing import ClassVar, TypeVar
+from collections.abc import Sequence
+from typing import ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..registry import Registry
 
 STATE_DTYPE = torch.int64
 """Dtype of every policy state vector (steps and counts)."""
 
-_REGISTRY: dict[str, type[EvictionPolicy]] = {}
-
-P = TypeVar("P", bound="type[EvictionPolicy]")
-
-
-def register_policy(name: str) -> Callable[[P], P]:
-    """Class decorator: make the policy available to `make_policy(name, ...)` and `FlashConfig.policy`."""
-
-    def decorate(cls: P) -> P:
-        if name in _REGISTRY:
-            raise ValueError(f"An eviction policy named {name!r} is already registered ({_REGISTRY[name]}).")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return decorate
+POLICIES: Registry = Registry("eviction policies")
+"""Every eviction policy, by name (`@register_policy`); `FlashConfig.policy` also takes "none" (no cache)."""
+register_policy = POLICIES.register
+NO_CACHE = "none"
+"""The `FlashConfig.policy` that caches nothing: every unit is read every time it is used."""
 
 
 def available_policies() -> list[str]:
     """Names `make_policy` accepts, sorted."""
-    return sorted(_REGISTRY)
-
-
-def _policy_class(name: str) -> type[EvictionPolicy]:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ConfigError(
-            f"Unknown eviction policy {name!r}. Available policies: {', '.join(available_policies())}."
-        ) from None
+    return list(POLICIES.names())
 
 
 def make_policy(name: str, num_units: int, **options: object) -> EvictionPolicy:
@@ -62,7 +43,7 @@ def make_policy(name: str, num_units: int, **options: object) -> EvictionPolicy:
 
     Raises `ConfigError` for an unknown name or an option the policy does not take.
     """
-    cls = _policy_class(name)
+    cls = POLICIES[name]
     try:
         inspect.signature(cls).bind(num_units, **options)
     except TypeError as exc:
@@ -72,7 +53,7 @@ def make_policy(name: str, num_units: int, **options: object) -> EvictionPolicy:
 
 def policy_state_bytes(name: str, num_units: int) -> int:
     """Bytes of state the policy `name` allocates for `num_units` units (what the budget must count)."""
-    return _policy_class(name).state_bytes(num_units)
+    return POLICIES[name].state_bytes(num_units)
 
 
 class EvictionPolicy(nn.Module):

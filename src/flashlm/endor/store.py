@@ -30,7 +30,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from .. import __version__
+from .._version import __version__
 from ..arch import decoder_layers, layer_linears
 from ..errors import StoreCorruptError, StoreMismatchError, StoreNotFoundError
 from ..store.convert import fsync_dir, staged_directory, write_json_durably

@@ -1,16 +1,16 @@
-"""Evaluation: perplexity on offline corpora, sweeps over methods and densities, decode benchmarks.
+"""Evaluation: perplexity on offline corpora (`flashlm.data.corpora`), sweeps over methods and
+densities, decode benchmarks.
 
-- `flashlm.eval.corpora`: `CORPORA`, `corpus_text(name)`, `corpus_tokens(name, tokenizer, split=...)`.
 - `flashlm.eval.perplexity`: `perplexity(model, ids)`, `evaluate(model_path, corpus, ...)`,
-  `parse_method_spec(spec)`, `PerplexityResult`.
+  `PerplexityResult` (method specs: `flashlm.methods.specs`).
 - `flashlm.eval.sweep`: `sweep(...)` (CSV + the DIP paper's Fig. 8), `plot_throughput_vs_perplexity`.
 - `flashlm.eval.decode`: decode throughput of one configuration in a subprocess (benchmarks).
 """
 
 from __future__ import annotations
 
-from .corpora import CORPORA, corpus_text, corpus_tokens
-from .perplexity import PerplexityResult, evaluate, parse_method_spec, perplexity
+from ..data.corpora import CORPORA, corpus_text, corpus_tokens
+from .perplexity import PerplexityResult, evaluate, perplexity
 from .sweep import plot_perplexity_vs_density, plot_throughput_vs_perplexity, sweep
 
 __all__ = [
@@ -19,7 +19,6 @@ __all__ = [
     "corpus_text",
     "corpus_tokens",
     "evaluate",
-    "parse_method_spec",
     "perplexity",
     "plot_perplexity_vs_density",
     "plot_throughput_vs_perplexity",

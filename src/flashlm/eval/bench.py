@@ -260,7 +260,7 @@ def check_perplexity_tokens(
     later is a load."""
     from transformers import AutoTokenizer
 
-    from .corpora import corpus_tokens, require
+    from ..data.corpora import corpus_tokens, require
     from .perplexity import num_windows
 
     require(corpus)
@@ -333,7 +333,7 @@ def perplexities(
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .corpora import corpus_tokens
+    from ..data.corpora import corpus_tokens
     from .perplexity import evaluate, perplexity
 
     keys = {spec["name"]: perplexity_key(spec, model_path) for spec in specs}

@@ -51,7 +51,7 @@ REGIMES = {
 def flashlm_spec(name: str, method_spec: str, density: float = 1.0, **options: Any) -> dict[str, Any]:
     """A flashlm configuration decoding with method spec `method_spec` (`parse_method_spec`) at
     `density`; `options` are further `FlashConfig` options (memory_budget, store, record_trace...)."""
-    from .perplexity import parse_method_spec
+    from ..methods.specs import parse_method_spec
 
     method = parse_method_spec(method_spec)
     method.pop("sequential_prefill", None)  # decoding is token by token anyway
@@ -142,7 +142,7 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
     import torch
     from transformers import AutoTokenizer
 
-    from ..endor.offload import endor_linears
+    from ..methods.endor import endor_linears
     from ..patching import stats, streaming_mlps, trace
 
     torch.manual_seed(0)

@@ -31,37 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-
-PLAIN_METHODS = ("dense", "dip", "glu", "gate", "up", "cats", "endor")
-DEFAULT_CACHE_AWARE = 0.2
-"""γ of `dip-ca` without a value: the DIP paper's choice."""
-METHOD_SPECS = (*PLAIN_METHODS, "dip-ca", "dip-ca:<gamma>", "dip-layer", "dip-global")
-"""The forms `parse_method_spec` accepts."""
-
-
-def parse_method_spec(spec: str) -> dict[str, Any]:
-    """FlashConfig options of a method spec: `"dip"` -> `{"method": "dip"}`, `"dip-ca:0.1"` ->
-    `{"method": "dip", "cache_aware": 0.1, "sequential_prefill": True}`, ...; an unknown spec raises
-    `ConfigError`.
-
-    Cache-aware masks depend on the cache as it evolves token by token, so DIP-CA is scored with
-    `sequential_prefill`: each window's forward then equals decoding it one token at a time."""
-    text = spec.strip().lower() if isinstance(spec, str) else spec
-    if text in PLAIN_METHODS:
-        return {"method": text}
-    if text == "dip-ca":
-        return {"method": "dip", "cache_aware": DEFAULT_CACHE_AWARE, "sequential_prefill": True}
-    if isinstance(text, str) and text.startswith("dip-ca:"):
-        try:
-            gamma = float(text.removeprefix("dip-ca:"))
-        except ValueError:
-            gamma = math.nan
-        if not 0 <= gamma <= 1:
-            raise ConfigError(f"Method spec {spec!r}: γ after 'dip-ca:' must be a number in [0, 1].")
-        return {"method": "dip", "cache_aware": gamma, "sequential_prefill": True}
-    if text in ("dip-layer", "dip-global"):
-        return {"method": "dip", "threshold": text.removeprefix("dip-")}
-    raise ConfigError(f"Unknown method spec {spec!r}. Valid forms: {', '.join(METHOD_SPECS)}.")
+from ..methods.specs import parse_method_spec
 
 
 @dataclass(frozen=True)
@@ -241,7 +211,7 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     from ..config import FlashConfig
-    from ..models import default_model_path
+    from ..data.models import default_model_path
 
     path = Path(model_path) if model_path is not None else default_model_path(progress=progress)
     options = {**parse_method_spec(method_spec), **config_kwargs}
@@ -284,8 +254,8 @@ def evaluate(
     `FlashConfig(**parse_method_spec(method_spec), density=density, ...)` on the test split of corpus
     `corpus` (a name of `CORPORA`, or a 1-D tensor of token ids), using `num_tokens` of it.
     """
-    from ..models import default_model_path
-    from .corpora import corpus_tokens, require
+    from ..data.corpora import corpus_tokens, require
+    from ..data.models import default_model_path
 
     if not isinstance(corpus, torch.Tensor):
         require(corpus)  # an unknown or missing corpus fails before anything loads

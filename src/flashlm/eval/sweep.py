@@ -72,7 +72,7 @@ def _token_streams(
         raise ValueError("corpora must be a list of names (or a dict name -> token ids), not a string.")
     from transformers import AutoTokenizer
 
-    from .corpora import corpus_tokens, require
+    from ..data.corpora import corpus_tokens, require
 
     for name in corpora:
         require(name)
@@ -120,7 +120,7 @@ def sweep(
     """
     from tqdm.auto import tqdm
 
-    from ..models import default_model_path
+    from ..data.models import default_model_path
 
     path = Path(model_path) if model_path is not None else default_model_path(progress=progress)
     pairs = configurations(methods, densities)

@@ -17,6 +17,13 @@ from transformers.quantizers.auto import (
 
 from ..config import QUANT_METHOD, FlashConfig
 from ..errors import ConfigError
+from ..patching import (
+    dense_mlp_weights,
+    endor_dense_weights,
+    endor_linears,
+    patch_for_loading,
+    streaming_mlps,
+)
 
 
 class FlashQuantizer(HfQuantizer):
@@ -43,8 +50,6 @@ class FlashQuantizer(HfQuantizer):
                 )
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
-        from ..patching import patch_for_loading
-
         if not checkpoint_files or not str(checkpoint_files[0]).endswith(".safetensors"):
             raise ConfigError(
                 "flashlm converts safetensors checkpoints; load this one without FlashConfig, then call "
@@ -57,16 +62,12 @@ class FlashQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        from ..patching import streaming_mlps
-
         for module in streaming_mlps(model):
             module.reset_state()
         return model
 
     def get_state_dict_and_metadata(self, model):
         """The full state dict, streamed weights read back from the store: a saved checkpoint is complete."""
-        from ..patching import dense_mlp_weights, endor_dense_weights, endor_linears
-
         state_dict = dict(model.state_dict())
         state_dict.update(endor_dense_weights(model) if endor_linears(model) else dense_mlp_weights(model))
         return state_dict, {}
@@ -76,7 +77,7 @@ class FlashQuantizer(HfQuantizer):
 
     @property
     def is_trainable(self) -> bool:
-        return True
+        return False  # nothing in a flashlm model trains yet (no parameters in the streamed MLPs)
 
 
 def register() -> None:

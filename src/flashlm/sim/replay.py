@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from ..cache import NeuronCache, make_policy
+from ..engine.trace import Trace
 from ..errors import ConfigError
-from ..trace import Trace
 
 REPLAY_POLICIES = ("lru", "lfu", "window", "atu", "belady", "none")
 """Policies `replay` accepts; "none" is no cache at all (capacity 0)."""

@@ -68,10 +68,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..engine.trace import ID_DTYPE, OFFSET_DTYPE, Trace
 from ..errors import ConfigError, UnsupportedArchitectureError
 from ..store.reader import DEFAULT_CHUNK_BYTES, DEFAULT_MERGE_GAP_BYTES, plan_reads, split_chunks
 from ..store.rowfile import ALIGNMENT
-from ..trace import ID_DTYPE, OFFSET_DTYPE, Trace
 from .hardware import HardwareProfile
 from .replay import REPLAY_POLICIES, replay
 

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from .. import __version__
+from .._version import __version__
 from ..arch import MLPSpec, _layer_index
 from ..errors import StoreCorruptError, StoreMismatchError, UnsupportedArchitectureError
 from .format import (

@@ -2,43 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 
 from ..cache import NeuronCache
-from ..errors import ConfigError
+from ..registry import Registry
 
 if TYPE_CHECKING:
-    from ..runtime import FlashRuntime
+    from ..engine.runtime import FlashRuntime
 
-_METHODS: dict[str, type[FlashMLP]] = {}
-
-M = TypeVar("M", bound="type[FlashMLP]")
-
-
-def register_method(name: str) -> Callable[[M], M]:
-    """Class decorator: the module class that computes `FlashConfig(method=name)`."""
-
-    def decorate(cls: M) -> M:
-        if name in _METHODS:
-            raise ValueError(f"A method named {name!r} is already registered ({_METHODS[name]}).")
-        cls.method = name
-        _METHODS[name] = cls
-        return cls
-
-    return decorate
+METHODS: Registry = Registry("methods", attribute="method")
+"""Every `FlashConfig.method`, by name: the module class that computes it (`@register_method`)."""
+register_method = METHODS.register
 
 
-def method_class(name: str) -> type[FlashMLP]:
-    try:
-        return _METHODS[name]
-    except KeyError:
-        raise ConfigError(
-            f"Unknown method {name!r}. Available methods: {', '.join(sorted(_METHODS))}."
-        ) from None
+def method_class(name: str) -> type:
+    """The module class registered as `name` (`ConfigError` naming the available ones otherwise)."""
+    return METHODS[name]
 
 
 class FlashMLP(nn.Module):

@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .errors import FlashLMError
+from ..errors import FlashLMError
 
 TRACE_FORMAT = "flashlm-trace"
 TRACE_VERSION = 1

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ._utils import format_bytes
+from .._utils import format_bytes
 
 COUNTER_FIELDS = ("tokens", "bytes_read", "reads", "hits", "misses", "evictions", "used_bytes", "dense_bytes")
 """`used_bytes` are the MLP weight bytes the step's tokens used (each token counted apart, everything

@@ -29,7 +29,7 @@ from ..store.format import dense_kinds
 from .base import FlashMLP, register_method
 
 if TYPE_CHECKING:
-    from ..runtime import Fetch, FlashRuntime
+    from ..engine.runtime import Fetch, FlashRuntime
 
 
 @register_method("dense")

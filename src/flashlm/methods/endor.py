@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import pairwise
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,13 +28,16 @@ from torch import nn
 
 from .._utils import format_bytes
 from ..arch import decoder_layers
-from ..config import FlashConfig
+from ..endor.codec import Decompressor, EndorMatrix
+from ..endor.kernel import decompression_path
+from ..endor.store import EndorStore, layer_placement
 from ..errors import BudgetTooSmallError, StoreMismatchError
 from ..store.reader import StoreReader, aligned_buffer
 from ..store.rowfile import ALIGNMENT
-from .codec import Decompressor, EndorMatrix
-from .kernel import decompression_path
-from .store import EndorStore, layer_placement
+from .base import register_method
+
+if TYPE_CHECKING:
+    from ..config import FlashConfig
 
 PHASES = ("read", "move", "decompress", "compute")
 STAT_FIELDS = (
@@ -400,6 +403,7 @@ def _pinned(matrix: EndorMatrix) -> EndorMatrix:
     )
 
 
+@register_method("endor")
 class EndorLinear(nn.Module):
     """A linear whose weight lives compressed in an `EndorRuntime`; it has no weight parameter."""
 

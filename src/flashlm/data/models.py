@@ -32,8 +32,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._utils import cache_dir
-from .errors import CacheDirError, FlashLMError
+from .._utils import cache_dir
+from ..errors import CacheDirError, FlashLMError
 
 # Written last into a finished checkpoint; its presence marks the directory as complete. (The name
 # predates the other bundled models; it is kept so that existing conversions stay valid.)

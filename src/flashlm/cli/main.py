@@ -9,8 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from ._utils import format_bytes
-from .config import CACHE_SPLITS, POLICIES
+from .._utils import format_bytes
+from ..cache.policies import NO_CACHE, POLICIES
+from ..config import CACHE_SPLITS
 
 METHOD_HELP = (
     "what each MLP does, a method spec: dense (default), dip, dip-ca (DIP-CA, γ 0.2), dip-ca:GAMMA, "
@@ -42,8 +43,8 @@ def _add_runtime_options(parser: argparse.ArgumentParser, *, method: bool = True
     parser.add_argument(
         "--policy",
         default="lfu",
-        choices=POLICIES,
-        help=f"cache policy: {', '.join(POLICIES)} (default lfu)",
+        choices=(*POLICIES.names(), NO_CACHE),
+        help=f"cache policy: {', '.join((*POLICIES.names(), NO_CACHE))} (default lfu)",
     )
     parser.add_argument(
         "--memory-budget", default=None, help="cache budget: bytes, '512MB' or '50%%' of MLP bytes"
@@ -80,8 +81,8 @@ def _io_options(args: argparse.Namespace) -> dict:
 
 
 def _config(args: argparse.Namespace):
-    from .config import FlashConfig
-    from .eval.perplexity import parse_method_spec
+    from ..config import FlashConfig
+    from ..methods.specs import parse_method_spec
 
     options = {**parse_method_spec(args.method), **_method_options(args)}
     return FlashConfig(
@@ -96,15 +97,15 @@ def _config(args: argparse.Namespace):
 def _model_dir(model: str | None) -> Path:
     """The checkpoint directory `--model` names: a bundled model's name (`flashlm.models.BUNDLED_MODELS`,
     converted on first use), a directory, or, when absent, the default model."""
-    from .models import model_path
+    from ..data.models import model_path
 
     return model_path(model)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
     if args.format == "endor":
-        from .endor.store import convert_endor, meta_model_layout
-        from .errors import ConfigError
+        from ..endor.store import convert_endor, meta_model_layout
+        from ..errors import ConfigError
 
         if args.kinds:
             raise ConfigError("--kinds applies to MLP stores; an Endor store holds every decoder linear.")
@@ -117,7 +118,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             f"{store.ratio:.2%} of {format_bytes(store.dense_nbytes())} dense"
         )
         return 0
-    from .store import convert
+    from ..store import convert
 
     store = convert(args.source, args.dest, kinds=args.kinds, overwrite=args.overwrite)
     print(f"wrote {store.path}: {store.num_layers} layers, kinds {', '.join(store.kinds)}")
@@ -125,7 +126,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from .calibration import CALIBRATION_FILE, calibrate, split_from_fit
+    from ..methods.calibration import CALIBRATION_FILE, split_from_fit
+    from ..workflows.calibrate import calibrate
 
     result = calibrate(
         _model_dir(args.model),
@@ -146,7 +148,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .store import Store
+    from ..store import Store
 
     store = Store.open(args.store)
     manifest = store.manifest
@@ -175,7 +177,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .eval import bench
+    from ..eval import bench
 
     model_path = _model_dir(args.model)
     out = Path(args.out)
@@ -229,8 +231,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
-    from .endor.offload import EndorStats
-    from .patching import stats
+    from ..methods.endor import EndorStats
+    from ..patching import stats
 
     model_path = _model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -309,7 +311,7 @@ def _densities(text: str) -> list[float]:
 
 
 def _check_windows(args: argparse.Namespace) -> None:
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     if args.tokens < args.context_length:
         raise ConfigError(
@@ -325,7 +327,8 @@ def _finite(value):
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     import torch
 
-    from .eval.perplexity import evaluate, parse_method_spec
+    from ..eval.perplexity import evaluate
+    from ..methods.specs import parse_method_spec
 
     parse_method_spec(args.method)
     _check_windows(args)
@@ -371,8 +374,8 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 def cmd_eval_sweep(args: argparse.Namespace) -> int:
     import torch
 
-    from .eval.perplexity import parse_method_spec
-    from .eval.sweep import CSV_NAME, PLOT_NAME, sweep
+    from ..eval.sweep import CSV_NAME, PLOT_NAME, sweep
+    from ..methods.specs import parse_method_spec
 
     for spec in args.methods:
         parse_method_spec(spec)
@@ -436,7 +439,7 @@ def _n_m(text: str) -> tuple[int, int]:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from .endor.prune import prune_checkpoint
+    from ..workflows.prune import prune_checkpoint
 
     model_path = _model_dir(args.model)
     report = prune_checkpoint(
@@ -460,7 +463,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def _add_prune_parser(sub) -> None:
-    from .endor.prune import DEFAULT_CONTEXT_LENGTH, DEFAULT_CORPUS, DEFAULT_WINDOWS
+    from ..workflows.prune import DEFAULT_CONTEXT_LENGTH, DEFAULT_CORPUS, DEFAULT_WINDOWS
 
     prune = sub.add_parser(
         "prune", help="Wanda-prune the decoder linears of a checkpoint and save the pruned checkpoint"
@@ -601,7 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_parser.set_defaults(func=cmd_bench)
 
-    from .sim.cli import add_simulate_parser
+    from .sim import add_simulate_parser
 
     add_simulate_parser(sub)
 
@@ -640,7 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
-    from .errors import FlashLMError
+    from ..errors import FlashLMError
 
     try:
         return args.func(args)

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._version import __version__
 from ..arch import decoder_layers, layer_linears
 from ..errors import ConfigError
 
@@ -500,9 +501,8 @@ def prune_checkpoint(
     `pruning.json` (how it was pruned) into a temporary sibling directory, renamed to `out_dir` once
     complete. An existing `out_dir` raises `ConfigError` unless `overwrite`. Works offline.
     """
-    import flashlm
 
-    from ..eval.corpora import corpus_tokens, require
+    from ..data.corpora import corpus_tokens, require
 
     model_path, out_dir = Path(model_path), Path(out_dir)
     sparsity, pattern = resolve_pattern(sparsity, n_m)
@@ -546,7 +546,7 @@ def prune_checkpoint(
         "pruned_weights": report.zeros,
         "weights": report.numel,
         "linears": len(report.linears),
-        "flashlm_version": flashlm.__version__,
+        "flashlm_version": __version__,
         "source": str(model_path.resolve()),
     }
 

@@ -8,16 +8,20 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from time import perf_counter
+from typing import TYPE_CHECKING
 
 import torch
 
-from .cache import BudgetPlan, NeuronCache, make_policy, split_budget
-from .config import FlashConfig
+from ..cache import BudgetPlan, NeuronCache, make_policy, split_budget
+from ..cache.policies import NO_CACHE
+from ..store import ALIGNMENT, Store, StoreReader
+from ..store.format import dense_kinds
+from ..store.reader import row_matrix
 from .stats import FlashStats, StatsRecorder
-from .store import ALIGNMENT, Store, StoreReader
-from .store.format import dense_kinds
-from .store.reader import row_matrix
 from .trace import TraceRecorder
+
+if TYPE_CHECKING:
+    from ..config import FlashConfig
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,7 @@ class FlashRuntime:
             num_units=[row_files[key].rows for key in self._cache_keys],
             overhead_bytes=staging_bytes,
             policy=self._policy_name,
-            cache_units=config.policy != "none",
+            cache_units=config.policy != NO_CACHE,
             read_cost=(
                 [row_files[key].read_amplification for key in self._cache_keys]
                 if config.cache_split == "read-cost"
@@ -159,8 +163,8 @@ class FlashRuntime:
 
     @property
     def _policy_name(self) -> str:
-        """The eviction policy's name; "none" (no cache) keeps LRU's bookkeeping on zero slots."""
-        return "lru" if self.config.policy == "none" else self.config.policy
+        """The eviction policy's name; `NO_CACHE` keeps LRU's bookkeeping on zero slots."""
+        return "lru" if self.config.policy == NO_CACHE else self.config.policy
 
     def _policy_options(self) -> dict:
         return {"window": self.config.window} if self.config.policy == "window" else {}

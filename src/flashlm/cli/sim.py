@@ -10,11 +10,11 @@ import json
 from pathlib import Path
 
 from .._utils import format_bytes, parse_bytes
+from ..engine.trace import Trace
 from ..errors import ConfigError
-from ..trace import Trace
-from .hardware import PRESETS, HardwareProfile, get_preset
-from .replay import REPLAY_POLICIES
-from .simulator import (
+from ..sim.hardware import PRESETS, HardwareProfile, get_preset
+from ..sim.replay import REPLAY_POLICIES
+from ..sim.simulator import (
     ANALYTIC_POLICIES,
     MODEL_PRESETS,
     TRACE_POLICIES,
@@ -128,7 +128,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     """Run one simulation and print a table (or JSON with --json); or, with --reproduce, the table of
     published figures."""
     if args.reproduce:
-        from .reproductions import markdown
+        from ..sim.reproductions import markdown
 
         print(markdown())
         return 0
@@ -221,7 +221,7 @@ def _size(option: str, value: str | None) -> float | None:
 
 def _sweep(args: argparse.Namespace, profile: HardwareProfile, workload: Workload) -> int:
     """`--sweep-dram`: every size x policy, a table of latency / I/O / hit rate, and the plot."""
-    from .plots import plot_memory_sweep, sweep_memory
+    from ..sim.plots import plot_memory_sweep, sweep_memory
 
     sizes = [float(parse_bytes(size.strip())) for size in args.sweep_dram.split(",") if size.strip()]
     policies = [p.strip() for p in (args.policies or args.policy).split(",") if p.strip()]

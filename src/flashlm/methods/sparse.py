@@ -47,18 +47,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import NeuronCache
-from ..calibration import CalibrationMissingError
 from ..ops import ColumnProduct
 from ..ops.columns import slot_dtype
 from ..store.reader import DEFAULT_MERGE_GAP_BYTES
 from .base import FlashMLP, register_method
+from .calibration import CalibrationMissingError
 from .masking import magnitude_topk, threshold_mask, union_ids
 
 if TYPE_CHECKING:
-    from ..calibration import Calibration
     from ..config import FlashConfig
-    from ..runtime import Fetch, FlashRuntime, LayerFetch
+    from ..engine.runtime import Fetch, FlashRuntime, LayerFetch
     from ..store import Store
+    from .calibration import Calibration
 
 logger = logging.getLogger(__name__)
 
