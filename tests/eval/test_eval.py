@@ -5,6 +5,7 @@ and their CSV / plots."""
 from __future__ import annotations
 
 import csv
+import importlib
 import math
 import re
 import time
@@ -18,7 +19,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 import flashlm
 from flashlm.data import corpora
 from flashlm.data.corpora import (
-    CORPORA,
     corpus_path,
     corpus_text,
     corpus_tokens,
@@ -39,6 +39,7 @@ from flashlm.eval.sweep import (
 )
 from flashlm.methods.specs import method_specs, parse_method_spec
 
+sweep_module = importlib.import_module("flashlm.eval.sweep")  # `flashlm.eval.sweep` is also the function
 VOCAB = 128  # the tiny checkpoints' vocabulary
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _WORDS = (
@@ -429,19 +430,22 @@ def test_sweep_checks_corpora_before_running(tiny_path, tmp_path):
     assert not (tmp_path / CSV_NAME).exists()
 
 
-def test_plot_throughput_vs_perplexity(tmp_path):
+def test_plot_throughput_vs_perplexity(tmp_path, monkeypatch):
     rows = [
         {"method": "dense", "perplexity": 10.0, "decode_tok_s": 5.0, "target_density": 1.0},
         {"method": "dip", "perplexity": 12.0, "decode_tok_s": 9.0, "target_density": 0.5},
         {"method": "dip", "perplexity": 11.0, "decode_tok_s": 7.0, "target_density": 0.6},
         {"method": "dip-ca", "perplexity": 12.5, "tokens_per_second": 11.0, "mlp_density": 0.5},
     ]
-    path = plot_throughput_vs_perplexity(rows, tmp_path / "plots" / "tradeoff.png")
-    assert path.read_bytes()[:8] == PNG_MAGIC
-
-
-def test_corpora_names():
-    assert CORPORA == ("shakespeare", "jargon", "debian-reference")
+    saved = {}
+    monkeypatch.setattr(sweep_module, "save_figure", lambda figure, path: saved.setdefault("figure", figure))
+    plot_throughput_vs_perplexity(rows, tmp_path / "tradeoff.png")
+    (ax,) = saved["figure"].axes
+    series = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+    # one series per method, sorted by perplexity, with the throughput of either column name
+    assert series == {"dense": ([10.0], [5.0]), "dip": ([11.0, 12.0], [7.0, 9.0]), "dip-ca": ([12.5], [11.0])}
+    assert sorted(text.get_text() for text in ax.texts) == ["0.5", "0.5", "0.6", "1"]
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("perplexity", "decode tokens/s")
 
 
 @pytest.mark.parametrize("tiny_model_dir", ["llama", "opt"], indirect=True)

@@ -12,7 +12,6 @@ import importlib.util
 import json
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import gguf
@@ -247,9 +246,7 @@ def test_split_model_converts_once_into_a_loadable_checkpoint(split_model, tiny_
 
     monkeypatch.setattr(models, "_convert", refuse)
     monkeypatch.setattr(models, "gguf_parts", refuse)
-    started = time.perf_counter()
     assert models.model_path(FAKE, progress=False, cache_root=tmp_path / "cache") == path
-    assert time.perf_counter() - started < 1
 
 
 def test_missing_parts_name_the_pip_command(split_model, tmp_path):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import time
 
 import pytest
 import torch
@@ -40,15 +39,13 @@ def test_default_model_is_a_loadable_bf16_checkpoint(smollm2_dir):
 
 
 @pytest.mark.slow
-def test_second_call_is_fast_and_same_path(smollm2_dir, monkeypatch):
+def test_second_call_loads_nothing_and_returns_the_same_path(smollm2_dir, monkeypatch):
     # A second call must not load anything: make any load fail loudly.
     def refuse(*args, **kwargs):
         raise AssertionError("default_model_path loaded a model on a cached call")
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
-    start = time.perf_counter()
     again = models.default_model_path(progress=False, cache_root=smollm2_dir.parent.parent)
-    assert time.perf_counter() - start < 2
     assert again == smollm2_dir
 
 

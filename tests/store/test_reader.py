@@ -27,7 +27,7 @@ from flashlm.store.reader import (
 )
 from flashlm.store.rowfile import RowFile
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _direct_ok(directory: Path) -> bool:
