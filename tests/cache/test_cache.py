@@ -243,19 +243,6 @@ def test_capacity_zero_misses_everything() -> None:
         assert cache.policy.priority(torch.tensor([1])).item() != -1  # the policy still records
 
 
-def test_preload_fills_free_slots_without_counting() -> None:
-    cache = make_cache("lru", 10, 4)
-    ids = torch.tensor([7, 3, 9])
-    cache.preload(ids, unit_rows(ids, cache))
-    check_invariants(cache)
-    assert set(cache.resident_ids.tolist()) == {3, 7, 9}
-    assert (cache.hits, cache.misses, cache.admissions) == (0, 0, 3)
-    assert run_step(cache, [3, 7, 8], 0) == (2, 1, 0)
-    more = torch.tensor([0, 1])
-    cache.preload(more, unit_rows(more, cache))  # full, and never-used units are no better than 9
-    assert set(cache.resident_ids.tolist()) == {3, 7, 8, 9}
-
-
 def test_clear_and_reset_counters() -> None:
     cache = make_cache("lfu", 8, 4)
     run_step(cache, [1, 2, 3], 0)
@@ -265,7 +252,7 @@ def test_clear_and_reset_counters() -> None:
     assert int(cache.policy.count.sum()) == 0
     assert cache.misses == 3
     cache.reset_counters()
-    assert (cache.hits, cache.misses, cache.evictions, cache.admissions) == (0, 0, 0, 0)
+    assert (cache.hits, cache.misses, cache.evictions) == (0, 0, 0)
     assert run_step(cache, [1], 1) == (0, 1, 0)
 
 

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 import flashlm
 from flashlm.arch import decoder_layers
-from flashlm.endor.codec import decompress, decompress_rows
-from flashlm.endor.store import EndorStore, convert_endor, endor_layout, layer_placement, read_rows
+from flashlm.endor.codec import decompress
+from flashlm.endor.store import EndorStore, convert_endor, endor_layout, layer_placement
 from flashlm.errors import (
     BudgetTooSmallError,
     ConfigError,
@@ -23,7 +23,6 @@ from flashlm.errors import (
     StoreMismatchError,
 )
 from flashlm.methods.endor import EndorLinear, endor_linears, working_bytes
-from flashlm.store.reader import StoreReader
 
 ARCHITECTURES = ["llama", "qwen2", "phi3", "opt", "gemma2"]
 
@@ -167,22 +166,6 @@ def test_stats_count_reads_and_phases(pruned_checkpoint, tmp_path: Path) -> None
     assert "decompress" in stats.summary()
     flashlm.stats(model, reset=True)
     assert flashlm.stats(model).totals()["steps"] == 0
-
-
-def test_read_rows_reads_only_those_rows(pruned_checkpoint, tmp_path: Path) -> None:
-    path = pruned_checkpoint("llama")
-    reference = AutoModelForCausalLM.from_pretrained(path)
-    store = convert_endor(path, tmp_path / "store", endor_layout(reference), progress=False)
-    name = "mlp.down_proj"
-    matrix = store.load_layer(1)[name]
-    ids = torch.tensor([0, 3, 4, 17, 40, 63])
-    with StoreReader(store.subset_files(1, name), direct_io=False, merge_gap_bytes=0) as reader:
-        bitmap_rows, values = read_rows(reader, store, 1, name, ids, matrix.bitmap)
-        rows = decompress_rows(bitmap_rows, values, matrix.shape[1])
-        dense = reference.state_dict()[f"{store.layers[1].prefix}.{name}.weight"]
-        assert torch.equal(rows.view(torch.int16), dense[ids].view(torch.int16))
-        assert reader.bytes_read == values.numel() * values.element_size()
-        assert reader.bytes_read < matrix.values.numel() * matrix.values.element_size() / 4
 
 
 def test_truncated_store_raises(pruned_checkpoint, tmp_path: Path) -> None:

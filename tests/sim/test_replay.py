@@ -231,7 +231,7 @@ def test_none_reads_everything() -> None:
     result = replay(trace, capacity=0.9, policy="none")
     assert result.hit_rate == 0.0
     assert int(result.hits.sum()) == 0
-    requested = sum(trace.num_requests(layer, "ffn") for layer in range(2))
+    requested = sum(ids.numel() for layer in range(2) for ids in trace.requests(layer, "ffn"))
     assert int(result.misses.sum()) == requested
     assert result.bytes_per_step == pytest.approx(requested * 4 / trace.num_steps)
     assert set(result.capacities.values()) == {0}

@@ -64,7 +64,12 @@ def test_default_model_honours_flashlm_cache(smollm2_dir, monkeypatch, tmp_path)
 def test_converted_model_generates_like_the_gguf_model(smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     converted = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
-    reference = models.load_gguf_model(torch.bfloat16)
+    # the GGUF source dequantized by transformers; `dtype` given to from_pretrained, not `.to()`, which
+    # would also round the float32 rotary buffers
+    source = models.gguf_path()
+    reference = AutoModelForCausalLM.from_pretrained(
+        source.parent, gguf_file=source.name, dtype=torch.bfloat16
+    ).eval()
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
     inputs = prompt if isinstance(prompt, torch.Tensor) else prompt["input_ids"]

@@ -31,7 +31,6 @@ class CacheCounters:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
-    admissions: int = 0
 
 
 class NeuronCache(nn.Module):
@@ -51,7 +50,7 @@ class NeuronCache(nn.Module):
         slot_of: `[num_units]` slot of each unit, -1 where not resident (the residency mask).
 
     Counters (python ints in `counters`, since the last `reset_counters`; also readable as
-    attributes): `hits` and `misses` from `lookup`, `admissions` (units written into a slot) and
+    attributes): `hits` and `misses` from `lookup`, and
     `evictions` (units that left: displaced or expired). They live in a plain object because
     assigning to a module attribute costs a microsecond or two, every layer, every step.
     """
@@ -114,7 +113,7 @@ class NeuronCache(nn.Module):
     # ---- counters ---------------------------------------------------------------------------
 
     def reset_counters(self) -> None:
-        """Zero hits, misses, evictions and admissions."""
+        """Zero hits, misses and evictions."""
         self.counters = CacheCounters()
 
     @property
@@ -128,10 +127,6 @@ class NeuronCache(nn.Module):
     @property
     def evictions(self) -> int:
         return self.counters.evictions
-
-    @property
-    def admissions(self) -> int:
-        return self.counters.admissions
 
     # ---- queries ----------------------------------------------------------------------------
 
@@ -193,16 +188,6 @@ class NeuronCache(nn.Module):
             self._delete(self.policy.expired(self.resident_ids, step))
         self._admit(miss_ids, miss_rows, None if by_unit else miss_ids if row_ids is None else row_ids)
 
-    def preload(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Warm the cache with units `ids` (rows `rows`) under the admission rule; no hit/miss counted.
-
-        Nothing is recorded with the policy, so a preloaded unit keeps whatever priority its
-        history gives it (none yet: the lowest), and a window policy lets it go at the next update
-        unless a step uses it.
-        """
-        order = torch.argsort(ids)
-        self._admit(ids[order], rows[order], ids[order])
-
     def clear(self) -> None:
         """Empty the cache and forget the policy's history (a new sequence starts); counters stay."""
         self.slot_of.fill_(-1)
@@ -244,7 +229,6 @@ class NeuronCache(nn.Module):
             self.slot_of[evicted] = -1
             self._place(slots, entering[: evicted.numel()], rows, row_ids)
             self.counters.evictions += evicted.numel()
-            self.counters.admissions += evicted.numel()
             self._unit_prefix = False
         self._append(entering[evicted.numel() :], rows, row_ids)
 
@@ -256,7 +240,6 @@ class NeuronCache(nn.Module):
         slots = torch.arange(first, first + ids.numel(), device=self.slot_ids.device)
         self._place(slots, ids, rows, row_ids)
         self.size += ids.numel()
-        self.counters.admissions += ids.numel()
         if self._unit_prefix:
             self._unit_prefix = bool(ids[0] == first) and bool(ids[-1] == self.size - 1)
 

@@ -339,22 +339,6 @@ def load_default_model(dtype=None, *, progress: bool = True, **kwargs):
     return model, AutoTokenizer.from_pretrained(path)
 
 
-def load_gguf_model(dtype=None):
-    """The default model loaded straight from its GGUF file, dequantized, in `dtype` (bfloat16), eval mode.
-
-    Slow (~15 s); meant for checking the converted checkpoint against its source. The dtype is given to
-    `from_pretrained` rather than applied with `.to()`, which would also round the float32 rotary buffers.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    source = gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        source.parent, gguf_file=source.name, dtype=dtype or torch.bfloat16
-    )
-    return model.eval()
-
-
 @contextlib.contextmanager
 def _quiet_transformers_bars(quiet: bool) -> Iterator[None]:
     from transformers.utils import logging as hf_logging

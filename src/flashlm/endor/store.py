@@ -11,9 +11,7 @@ Layout of an Endor store directory:
 
 A layer file's data region (everything after the padded safetensors header, which starts at a
 multiple of `ALIGNMENT`) is what an SSD-mapped layer reads per token: one O_DIRECT read of the
-compressed bytes. A subset of a linear's rows can be read alone (`read_rows`): its bitmap rows are
-fixed-width, and where its values lie follows from the bitmap by popcount (the Endor paper's
-"minimal bitmap processing" for joint use with activation sparsity).
+compressed bytes.
 """
 
 from __future__ import annotations
@@ -41,10 +39,9 @@ from ..store.format import (
     update_content_hash,
     write_aligned_safetensors,
 )
-from ..store.reader import StoreReader
 from ..store.rowfile import ALIGNMENT, RowFile
 from ..store.sources import TensorSource, as_source, read_safetensors_header
-from .codec import EndorMatrix, bitmap_row_bytes, compress, value_indices
+from .codec import EndorMatrix, bitmap_row_bytes, compress
 
 FORMAT = "flashlm-endor-store"
 FORMAT_VERSION = 1
@@ -240,40 +237,12 @@ class EndorStore(ConvertedFrom):
                 "(it is converted again on the next load) or pass another `store=` path."
             )
 
-    def subset_files(self, layer: int, name: str) -> dict[tuple[int, str, str], RowFile]:
-        """Reader files for `read_rows` of one linear: its bitmap rows and its values one element per row."""
-        entry = self.layers[layer]
-        linear = entry.linears[name]
-        rows, cols = linear.shape
-        base = entry.data_offset
-        return {
-            (layer, name, "bitmap"): RowFile(
-                entry.path, base + linear.bitmap[0], rows, bitmap_row_bytes(cols), torch.uint8
-            ),
-            (layer, name, "values"): RowFile(entry.path, base + linear.values[0], linear.nnz, 1, self.dtype),
-        }
-
     def __repr__(self) -> str:
         return (
             f"EndorStore({str(self.path)!r}, {self.model_type}, {self.num_layers} layers, "
             f"{dtype_name(self.dtype)}, "
             f"{self.nbytes() / 1e6:.1f} MB = {self.ratio:.2%} of dense)"
         )
-
-
-def read_rows(
-    reader: StoreReader, store: EndorStore, layer: int, name: str, ids: torch.Tensor, bitmap: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows `ids` (sorted, unique, int64) of one linear, compressed: their bitmap rows and values.
-
-    Reads only those rows' values: `bitmap` (the linear's whole bitmap, which a caller keeps in
-    memory: 1/16 of the dense bf16 bytes) says where each row's values lie. `reader` must have been
-    built over `store.subset_files(layer, name)`. Decompress with `codec.decompress_rows`.
-    """
-    value_ids = value_indices(bitmap, ids)
-    values = torch.empty(value_ids.numel(), 1, dtype=store.dtype)
-    reader.read((layer, name, "values"), value_ids, values)
-    return bitmap[ids], values.view(-1)
 
 
 def convert_endor(

@@ -213,10 +213,6 @@ class Trace:
         ids, offsets = self._entry(layer, kind)
         return list(torch.split(ids, torch.diff(offsets).tolist())) if self._num_steps else []
 
-    def num_requests(self, layer: int, kind: str) -> int:
-        """Total unit ids requested by `layer` for `kind` over all steps."""
-        return self._entry(layer, kind)[0].numel()
-
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Trace):
             return NotImplemented
