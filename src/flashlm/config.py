@@ -46,6 +46,8 @@ RUNTIME_OPTIONS = (
     "record_trace",
 )
 DEFAULT_MEMORY_BUDGET = "50%"
+METHOD_OPTIONS = {"input_density": None, "cache_aware": 1.0, "threshold": "token", "device_budget": 0}
+"""Options that belong to some methods (their `OPTIONS`), with the default every other method needs."""
 _PERCENT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 
 
@@ -201,17 +203,7 @@ class FlashConfig(QuantizationConfigMixin):
             raise ConfigError(f"density must be a number in (0, 1], got {self.density!r}.")
         if not 0 < self.density <= 1:
             raise ConfigError(f"density must be in (0, 1], got {self.density}.")
-        if self.method in ("dense", "endor") and self.density != 1:
-            raise ConfigError(
-                f"method={self.method!r} computes with every weight it holds: density must be 1.0, got "
-                f"{self.density}. (Endor's sparsity is in the pruned weights: prune with `flashlm prune`.)"
-            )
-        if self.method in ("gate", "up", "cats") and not self.density > 1 / 3:
-            projection = "up" if self.method == "up" else "gate"
-            raise ConfigError(
-                f"method={self.method!r} reads the whole {projection} projection (a third of the MLP) "
-                f"every token: density must be above 1/3, got {self.density}."
-            )
+        METHODS[self.method].check_density(self.density)
         self._check_dip_options()
         if self.policy != NO_CACHE and self.policy not in POLICIES:
             choices = ", ".join((*POLICIES.names(), NO_CACHE))
@@ -239,8 +231,13 @@ class FlashConfig(QuantizationConfigMixin):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         self.budget = Budget.parse(self.memory_budget)
         self._device_budget = Budget.parse(self.device_budget)
-        if self.device_budget != 0 and self.method != "endor":
-            raise ConfigError(f"device_budget applies to method='endor' only (method is {self.method!r}).")
+        for name, default in METHOD_OPTIONS.items():
+            if getattr(self, name) != default and name not in METHODS[self.method].OPTIONS:
+                owners = [method for method in METHODS if name in METHODS[method].OPTIONS]
+                raise ConfigError(
+                    f"{name} applies to method={' or '.join(map(repr, owners))} only (method is "
+                    f"{self.method!r})."
+                )
 
     def device_budget_bytes(self, dense_bytes: int) -> int:
         """Bytes of `device_budget`; a percentage is of `dense_bytes`."""
@@ -252,13 +249,6 @@ class FlashConfig(QuantizationConfigMixin):
             raise ConfigError(f"cache_aware (γ) must be a number in [0, 1], got {gamma!r}.")
         if self.threshold not in THRESHOLDS:
             raise ConfigError(f"Unknown threshold {self.threshold!r}. Available: {', '.join(THRESHOLDS)}.")
-        for name, value, default in (
-            ("input_density", self.input_density, None),
-            ("cache_aware", gamma, 1.0),
-            ("threshold", self.threshold, "token"),
-        ):
-            if value != default and self.method != "dip":
-                raise ConfigError(f"{name} applies to method='dip' only (method is {self.method!r}).")
         if self.threshold != "token" and gamma != 1:
             raise ConfigError("cache_aware re-weights top-k scores: it needs threshold='token'.")
         if self.input_density is None:

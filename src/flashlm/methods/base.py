@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..cache import NeuronCache
+from ..errors import ConfigError
 from ..registry import Registry
 
 if TYPE_CHECKING:
@@ -23,7 +24,36 @@ def method_class(name: str) -> type:
     return METHODS[name]
 
 
-class FlashMLP(nn.Module):
+class MethodModule(nn.Module):
+    """Base of every registered method's module: what `FlashConfig` asks of a method.
+
+    `OPTIONS` are the method-specific `FlashConfig` options the method takes (others must keep their
+    defaults); `check_density` refuses a density the method cannot compute.
+    """
+
+    method: ClassVar[str]
+    OPTIONS: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def check_density(cls, density: float) -> None:
+        """Raise `ConfigError` if this method cannot run at `density` (any in (0, 1] by default)."""
+
+
+class DenseOnly:
+    """Mixin of the methods that compute with every weight they hold: density 1.0 only."""
+
+    method: ClassVar[str]
+
+    @classmethod
+    def check_density(cls, density: float) -> None:
+        if density != 1:
+            raise ConfigError(
+                f"method={cls.method!r} computes with every weight it holds: density must be 1.0, got "
+                f"{density}. (Endor's sparsity is in the pruned weights: prune with `flashlm prune`.)"
+            )
+
+
+class FlashMLP(MethodModule):
     """Base of the modules that replace a model's MLPs. Holds no `nn.Parameter`.
 
     Subclasses name the unit kinds they read (`KINDS`, store layouts) and get one `NeuronCache`
@@ -39,7 +69,6 @@ class FlashMLP(nn.Module):
             where the projections sat on the decoder layer itself).
     """
 
-    method: ClassVar[str]
     KINDS: ClassVar[tuple[str, ...]]
 
     def __init__(

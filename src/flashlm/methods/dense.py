@@ -26,14 +26,14 @@ from torch import nn
 
 from ..cache import NeuronCache
 from ..store.format import dense_kinds
-from .base import FlashMLP, register_method
+from .base import DenseOnly, FlashMLP, register_method
 
 if TYPE_CHECKING:
     from ..engine.runtime import Fetch, FlashRuntime
 
 
 @register_method("dense")
-class StreamingMLP(FlashMLP):
+class StreamingMLP(DenseOnly, FlashMLP):
     """Computes one MLP from streamed rows of the checkpoint's matrices. Holds no `nn.Parameter`.
 
     Args (beyond `FlashMLP`'s):

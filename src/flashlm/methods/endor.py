@@ -34,7 +34,7 @@ from ..endor.store import EndorStore, layer_placement
 from ..errors import BudgetTooSmallError, StoreMismatchError
 from ..store.reader import StoreReader, aligned_buffer
 from ..store.rowfile import ALIGNMENT
-from .base import register_method
+from .base import DenseOnly, MethodModule, register_method
 
 if TYPE_CHECKING:
     from ..config import FlashConfig
@@ -404,8 +404,10 @@ def _pinned(matrix: EndorMatrix) -> EndorMatrix:
 
 
 @register_method("endor")
-class EndorLinear(nn.Module):
+class EndorLinear(DenseOnly, MethodModule):
     """A linear whose weight lives compressed in an `EndorRuntime`; it has no weight parameter."""
+
+    OPTIONS = ("device_budget",)
 
     def __init__(
         self,

@@ -40,13 +40,14 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from time import perf_counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..cache import NeuronCache
+from ..errors import ConfigError
 from ..ops import ColumnProduct
 from ..ops.columns import slot_dtype
 from ..store.reader import DEFAULT_MERGE_GAP_BYTES
@@ -452,6 +453,7 @@ class DIPMLP(SparseMLP):
     INPUT_KIND = "dip_in"
     OUTPUT_KIND = "dip_down"
     COLUMN_KINDS = ("dip_in", "dip_down")
+    OPTIONS = ("input_density", "cache_aware", "threshold")
 
     def column_products_needed(self) -> dict[int, float]:
         # a dip_in row (up and gate columns), a down column
@@ -490,6 +492,8 @@ class DIPMLP(SparseMLP):
 class GLUPruningMLP(DIPMLP):
     """GLU pruning, the oracle (eq. 4): the full GLU from every up/gate column, top-k down columns."""
 
+    OPTIONS = ()
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, k_in=0, **kwargs)
 
@@ -500,8 +504,24 @@ class GLUPruningMLP(DIPMLP):
         return magnitude_topk(a, self.k_out)
 
 
+class WholeFirstStage:
+    """Mixin of the methods that read one projection whole every token (a third of the MLP): the
+    density must leave something to prune after it."""
+
+    method: ClassVar[str]
+    INPUT_KIND: ClassVar[str]
+
+    @classmethod
+    def check_density(cls, density: float) -> None:
+        if not density > 1 / 3:
+            raise ConfigError(
+                f"method={cls.method!r} reads the whole {cls.INPUT_KIND} projection (a third of the MLP) "
+                f"every token: density must be above 1/3, got {density}."
+            )
+
+
 @register_method("up")
-class UpPruningMLP(SparseMLP):
+class UpPruningMLP(WholeFirstStage, SparseMLP):
     """Up pruning (eq. 5 with up for gate): the full `up x`; its top-k picks gate rows and down columns."""
 
     INPUT_KIND = "up"
@@ -517,7 +537,7 @@ class UpPruningMLP(SparseMLP):
 
 
 @register_method("gate")
-class GatePruningMLP(SparseMLP):
+class GatePruningMLP(WholeFirstStage, SparseMLP):
     """Gate pruning (eq. 5): the full `act(gate x)`; its top-k picks up rows and down columns."""
 
     INPUT_KIND = "gate"
