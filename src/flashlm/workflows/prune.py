@@ -496,7 +496,7 @@ def prune_checkpoint(
     """Wanda-prune the Hugging Face checkpoint at `model_path` and save the result as `out_dir`.
 
     Loads the model with `AutoModelForCausalLM` in the dtype it was saved in, and its tokenizer, which
-    tokenizes the calibration split of `corpus` (`flashlm.eval.corpora`); prunes with `prune_model`;
+    tokenizes the calibration split of `corpus` (`flashlm.data.corpora`); prunes with `prune_model`;
     saves a complete checkpoint (safetensors weights, config, generation config, tokenizer files) plus
     `pruning.json` (how it was pruned) into a temporary sibling directory, renamed to `out_dir` once
     complete. An existing `out_dir` raises `ConfigError` unless `overwrite`. Works offline.
