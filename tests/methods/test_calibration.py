@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import flashlm
+from flashlm.errors import ConfigError
 from flashlm.methods.calibration import CALIBRATION_FILE, Calibration, fit_split, pareto_front, split_from_fit
 from flashlm.patching import streaming_mlps
 from flashlm.workflows.calibrate import CALIBRATION_OPTIONS, calibrate_model
@@ -102,6 +103,9 @@ def test_calibrate_model_on_the_tiny_llama(make_tiny_checkpoint, tmp_path) -> No
         module.register_forward_pre_hook(
             lambda mod, args: inputs.setdefault(mod.layer, []).append(args[0].reshape(-1, mod.d_model))
         )
+    with pytest.raises(ConfigError, match="whole windows of context_length=64"):
+        calibrate_model(model, ids, context_length=64, num_tokens=32, progress=False)
+    assert not (store / CALIBRATION_FILE).exists()
     result = calibrate_model(model, ids, context_length=64, num_tokens=256, progress=False)
 
     assert (store / CALIBRATION_FILE).is_file()

@@ -221,8 +221,9 @@ class EndorRuntime:
         overhead = working_bytes(store)
         if self.budget_bytes < overhead:
             raise BudgetTooSmallError(
-                f"memory_budget {format_bytes(self.budget_bytes)} cannot hold the staging buffers of one "
-                f"disk layer and the decompression workspace: give at least {format_bytes(overhead)}.",
+                f"memory_budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} bytes) cannot hold "
+                f"the staging buffers of one disk layer and the decompression workspace: give at least "
+                f"{format_bytes(overhead)} ({overhead} bytes).",
                 minimum_bytes=overhead,
             )
         self.placement = layer_placement(

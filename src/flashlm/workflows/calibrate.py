@@ -15,6 +15,7 @@ from .._version import __version__
 from ..config import FlashConfig
 from ..data.corpora import corpus_tokens
 from ..data.models import default_model_path
+from ..errors import ConfigError
 from ..eval.perplexity import perplexity
 from ..methods.calibration import Calibration, fit_split
 from ..methods.sparse import DIPMLP
@@ -68,9 +69,16 @@ def calibrate_model(
             "calibrate_model needs a model patched with DIP modules: FlashConfig(method='dip', "
             "**flashlm.workflows.calibrate.CALIBRATION_OPTIONS)."
         )
+    available = min(num_tokens, input_ids.numel())
+    if available < context_length:
+        raise ConfigError(
+            f"Calibration scores whole windows of context_length={context_length} tokens, but only "
+            f"{available} tokens are available (num_tokens={num_tokens}, {input_ids.numel()} in the corpus): "
+            "pass more tokens or a smaller context_length."
+        )
     runtime = modules[0].runtime
     store = runtime.store
-    windows = max(1, min(num_tokens, input_ids.numel()) // context_length)
+    windows = available // context_length
     ids = input_ids[: windows * context_length]
 
     inputs: dict[int, list[torch.Tensor]] = {m.layer: [] for m in modules}
