@@ -26,7 +26,7 @@ from .engine.trace import Trace
 from .errors import ConfigError, StoreMismatchError, UnsupportedArchitectureError
 from .methods import FlashMLP, StreamingMLP, build_sparse_mlp, method_class, reads_ahead
 from .methods.calibration import Calibration
-from .methods.endor import EndorLinear, EndorStats, endor_linears, replace_linears
+from .methods.endor import EndorLinear, endor_linears, replace_linears
 from .store import ModuleSource, SafetensorsSource, Store, add_kinds, convert, mlp_content_sha256
 from .store.convert import layer_weights
 from .store.format import update_content_hash
@@ -333,7 +333,7 @@ def _forget_quantizer(model: nn.Module) -> None:
         model.is_quantized = False
 
 
-def stats(model: nn.Module, *, reset: bool = False) -> FlashStats | EndorStats:
+def stats(model: nn.Module, *, reset: bool = False) -> FlashStats:
     """Counters since the last reset: bytes read, reads, hits/misses, I/O / cache / compute time
     (for an Endor-offloaded model: bytes read and moved, read / move / decompress / compute time).
 

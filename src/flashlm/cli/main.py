@@ -231,7 +231,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
-    from ..methods.endor import EndorStats
     from ..patching import stats
 
     model_path = _model_dir(args.model)
@@ -254,7 +253,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     snapshot = stats(model)
     print()
-    if args.steps and isinstance(snapshot, EndorStats):
+    if args.steps and snapshot.placement:  # Endor: where time goes is read, decompress, compute
         print(
             f"{'step':>4} {'tokens':>6} {'read':>10} {'read wait ms':>12} {'decompress ms':>13} "
             f"{'compute ms':>10}"
@@ -262,7 +261,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for step in snapshot.per_step():
             print(
                 f"{step['step']:>4} {step['tokens']:>6.0f} {format_bytes(step['bytes_read']):>10} "
-                f"{1e3 * step['read_s']:>12.1f} {1e3 * step['decompress_s']:>13.1f} "
+                f"{1e3 * step['io_s']:>12.1f} {1e3 * step['decompress_s']:>13.1f} "
                 f"{1e3 * step['compute_s']:>10.1f}"
             )
     elif args.steps:

@@ -1,8 +1,10 @@
-"""Per-step, per-layer I/O, cache and timing counters of a patched model (LLM in a flash, Table 3).
+"""Per-step, per-layer I/O, cache and timing counters of a patched model (LLM in a flash, Table 3),
+for every method.
 
 A *step* is one forward pass of the model: a prefill step covers the prompt's tokens, a decode
-step one new token (per sequence). `StatsRecorder` collects one row per (step, layer) in flat
-arrays; `FlashStats` is the read-only snapshot `flashlm.stats(model)` returns.
+step one new token (per sequence). `StatsRecorder` collects rows (one per (step, layer), or per
+linear for Endor) in flat arrays, and timeline events where a method records them; `FlashStats` is
+the read-only snapshot `flashlm.stats(model)` returns.
 """
 
 from __future__ import annotations
@@ -14,16 +16,40 @@ import numpy as np
 
 from .._utils import format_bytes
 
-COUNTER_FIELDS = ("tokens", "bytes_read", "reads", "hits", "misses", "evictions", "used_bytes", "dense_bytes")
-"""`used_bytes` are the MLP weight bytes the step's tokens used (each token counted apart, everything
-a method must read included); `dense_bytes` what the dense MLP would use for the same tokens. Their
-ratio is the achieved MLP density."""
-TIME_FIELDS = ("select_s", "lookup_s", "submit_s", "io_s", "io_busy_s", "update_s", "compute_s")
+COUNTER_FIELDS = (
+    "tokens",
+    "bytes_read",
+    "reads",
+    "hits",
+    "misses",
+    "evictions",
+    "used_bytes",
+    "dense_bytes",
+    "moved_bytes",
+)
+"""`used_bytes` are the weight bytes the step's tokens used (each token counted apart, everything
+a method must read included); `dense_bytes` what the dense weights would use for the same tokens.
+Their ratio is the achieved density. `moved_bytes`: compressed bytes moved to the execution device
+(Endor)."""
+TIME_FIELDS = (
+    "select_s",
+    "lookup_s",
+    "submit_s",
+    "io_s",
+    "io_busy_s",
+    "update_s",
+    "move_s",
+    "decompress_s",
+    "compute_s",
+)
 """Where a layer's time went, each span counted once: `select_s` choosing the units (the method's
 masks), `lookup_s` finding the misses, `submit_s` handing reads to the reader, `io_s` waiting for
-reads (what I/O adds to latency), `update_s` admission and eviction, `compute_s` the products.
+reads (what I/O adds to latency), `update_s` admission and eviction, `move_s` copying to the
+execution device and `decompress_s` expanding compressed weights (Endor), `compute_s` the products.
 `io_busy_s` is how long those reads took on the background reader, mostly overlapped with earlier
 work (not part of the layer's time)."""
+PHASES = ("read", "move", "decompress", "compute")
+"""Phases of the timeline events a method may record: `(phase, layer, linear, start, end)`."""
 CACHE_FIELDS = ("lookup_s", "submit_s", "update_s")
 """The cache's bookkeeping (LLM in a flash Table 3's "memory management"): summed as `cache_s`."""
 DERIVED_FIELDS = ("cache_s",)
@@ -35,6 +61,7 @@ class StatsRecorder:
 
     def __init__(self) -> None:
         self.rows: list[tuple] = []
+        self.events: list[tuple[str, int, int, float, float]] = []
         self.step = -1
 
     def begin_step(self) -> None:
@@ -46,12 +73,27 @@ class StatsRecorder:
 
     def reset(self) -> None:
         self.rows.clear()
+        self.events.clear()
         self.step = -1
 
-    def snapshot(self, *, io_mode: str, resident_bytes: int, budget_bytes: int) -> FlashStats:
+    def snapshot(
+        self,
+        *,
+        io_mode: str,
+        resident_bytes: int,
+        budget_bytes: int,
+        placement: tuple[str, ...] = (),
+        decompression: str = "",
+    ) -> FlashStats:
         table = np.array(self.rows, dtype=np.float64).reshape(-1, len(FIELDS))
         return FlashStats(
-            table=table, io_mode=io_mode, resident_bytes=resident_bytes, budget_bytes=budget_bytes
+            table=table,
+            io_mode=io_mode,
+            resident_bytes=resident_bytes,
+            budget_bytes=budget_bytes,
+            events=tuple(self.events),
+            placement=placement,
+            decompression=decompression,
         )
 
 
@@ -59,15 +101,21 @@ class StatsRecorder:
 class FlashStats:
     """Counters of a patched model since the last reset.
 
-    `table` has one row per (step, layer) and the columns in `FIELDS`. `io_mode` says whether
-    reads bypassed the page cache ("direct") or not ("buffered: <why>"). `resident_bytes` is what
-    the caches and I/O buffers really allocated; `budget_bytes` the budget they were sized from.
+    `table` has one row per (step, layer) (per linear for Endor) and the columns in `FIELDS`.
+    `io_mode` says whether reads bypassed the page cache ("direct") or not ("buffered: <why>").
+    `resident_bytes` is what the caches and I/O buffers really allocated; `budget_bytes` the budget
+    they were sized from. Endor also gives `events` (`(phase, layer, linear, start, end)` with a
+    phase of `PHASES`), each layer's `placement` ("device", "cpu" or "disk") and its `decompression`
+    path.
     """
 
     table: np.ndarray
     io_mode: str
     resident_bytes: int
     budget_bytes: int
+    events: tuple[tuple[str, int, int, float, float], ...] = ()
+    placement: tuple[str, ...] = ()
+    decompression: str = ""
     _columns: dict[str, int] = field(default_factory=lambda: {name: i for i, name in enumerate(FIELDS)})
 
     def column(self, name: str) -> np.ndarray:
@@ -91,12 +139,14 @@ class FlashStats:
             out.append(entry)
         return out
 
-    def per_layer(self) -> list[dict[str, float]]:
-        """Counters and times summed over steps, one dict per layer."""
+    def per_layer(self) -> list[dict[str, Any]]:
+        """Counters and times summed over steps, one dict per layer (with its `placement`, if any)."""
         layers = self.column("layer").astype(int)
         out = []
         for layer in np.unique(layers):
-            entry: dict[str, float] = {"layer": int(layer)}
+            entry: dict[str, Any] = {"layer": int(layer)}
+            if self.placement:
+                entry["placement"] = self.placement[layer]
             for name in COUNTER_FIELDS[1:] + TIME_FIELDS:
                 entry[name] = float(self.table[layers == layer, self._columns[name]].sum())
             entry["cache_s"] = sum(entry[name] for name in CACHE_FIELDS)
@@ -122,7 +172,7 @@ class FlashStats:
         total["density"] = (
             total["used_bytes"] / total["dense_bytes"] if total["dense_bytes"] else float("nan")
         )
-        for name in ("bytes_read", "reads", *TIME_FIELDS, *DERIVED_FIELDS):
+        for name in ("bytes_read", "reads", "moved_bytes", "dense_bytes", *TIME_FIELDS, *DERIVED_FIELDS):
             total[f"{name}_per_step"] = total[name] / len(steps) if steps else float("nan")
         return total
 
@@ -135,6 +185,8 @@ class FlashStats:
             "io_mode": self.io_mode,
             "resident_bytes": self.resident_bytes,
             "budget_bytes": self.budget_bytes,
+            "placement": list(self.placement),
+            "decompression": self.decompression,
             "totals": self.totals(),
             "decode": self.totals(decode_only=True),
             "per_step": self.per_step(),
@@ -142,11 +194,24 @@ class FlashStats:
         }
 
     def summary(self) -> str:
-        """One paragraph: per decode step bytes, reads, hit rate and the I/O / cache / compute split."""
+        """One paragraph: per decode step bytes, reads, hit rate and the I/O / cache / compute split
+        (for Endor: where the layers are, and the read / move / decompress / compute split)."""
         t = self.totals(decode_only=True)
         if not t["steps"]:
             t = self.totals()
         ms = {name: 1e3 * t[f"{name}_per_step"] for name in TIME_FIELDS + DERIVED_FIELDS}
+        if self.placement:
+            counts = {where: self.placement.count(where) for where in ("device", "cpu", "disk")}
+            return (
+                f"{t['steps']} steps | layers: {counts['device']} device, {counts['cpu']} memory "
+                f"(compressed), {counts['disk']} disk (compressed) | per step: "
+                f"{format_bytes(t['bytes_read_per_step'])} read, {format_bytes(t['moved_bytes_per_step'])} "
+                f"moved compressed for {format_bytes(t['dense_bytes_per_step'])} dense | read wait "
+                f"{ms['io_s']:.1f} ms, move {ms['move_s']:.1f} ms, decompress {ms['decompress_s']:.1f} ms, "
+                f"compute {ms['compute_s']:.1f} ms | reads {self.io_mode}, decompression by "
+                f"{self.decompression} | resident {format_bytes(self.resident_bytes)} of "
+                f"{format_bytes(self.budget_bytes)} budget"
+            )
         return (
             f"{t['steps']} steps | MLP density {t['density']:.1%} | per step: "
             f"{format_bytes(t['bytes_read_per_step'])} read in "

@@ -286,11 +286,9 @@ def _endor_result(snapshot, *, step_starts: list[float]) -> dict:
         "decompression": snapshot.decompression,
         "reader_bytes_per_token": totals["bytes_read_per_step"],
         "moved_bytes_per_token": totals["moved_bytes_per_step"],
-        **{
-            f"{phase}_ms": 1e3 * totals[f"{phase}_s_per_step"]
-            for phase in ("read", "move", "decompress", "compute")
-        },
-        "placement": snapshot.placement,
+        "read_ms": 1e3 * totals["io_s_per_step"],
+        **{f"{phase}_ms": 1e3 * totals[f"{phase}_s_per_step"] for phase in ("move", "decompress", "compute")},
+        "placement": list(snapshot.placement),
         "resident_bytes": snapshot.resident_bytes,
         "budget_bytes": snapshot.budget_bytes,
         "per_layer": snapshot.per_layer(),

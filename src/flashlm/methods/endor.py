@@ -9,19 +9,19 @@ one O_DIRECT request per layer from the store (`"disk"`), the next disk layer's 
 background thread while this layer computes — which is moved to the input's device and decompressed
 there into a reused workspace.
 
-Every use is timed by phase (read, move, decompress, compute) into `EndorStats`, per step, layer and
-linear, with a timeline of when each phase ran (the Endor paper's Figs. 3 and 5).
+Every use is timed by phase (read, move, decompress, compute) into the engine's `FlashStats`, one
+row per step, layer and linear, with a timeline of when each phase ran (the Endor paper's Figs. 3
+and 5).
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import pairwise
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,6 +31,7 @@ from ..arch import decoder_layers
 from ..endor.codec import Decompressor, EndorMatrix
 from ..endor.kernel import decompression_path
 from ..endor.store import EndorStore, layer_placement
+from ..engine.stats import FlashStats, StatsRecorder
 from ..errors import BudgetTooSmallError, StoreMismatchError
 from ..store.reader import StoreReader, aligned_buffer
 from ..store.rowfile import ALIGNMENT
@@ -38,139 +39,6 @@ from .base import DenseOnly, MethodModule, register_method
 
 if TYPE_CHECKING:
     from ..config import FlashConfig
-
-PHASES = ("read", "move", "decompress", "compute")
-STAT_FIELDS = (
-    "step",
-    "layer",
-    "linear",
-    "tokens",
-    "bytes_read",
-    "moved_bytes",
-    "dense_bytes",
-    *[f"{p}_s" for p in PHASES],
-)
-"""One row per use of a linear. `read_s` is the time the layer waited for its read (charged to its first
-linear); `moved_bytes` the compressed bytes moved to the execution device; `dense_bytes` the weight's
-dense size."""
-
-
-class EndorStatsRecorder:
-    """Rows of `STAT_FIELDS` and `(phase, layer, linear, start, end)` timeline events, appended per use."""
-
-    def __init__(self) -> None:
-        self.rows: list[tuple] = []
-        self.events: list[tuple[str, int, int, float, float]] = []
-        self.step = -1
-        self.tokens = 0
-
-    def reset(self) -> None:
-        self.rows.clear()
-        self.events.clear()
-        self.step = -1
-
-
-@dataclass(frozen=True)
-class EndorStats:
-    """Counters of an Endor-offloaded model since the last reset (`flashlm.stats(model)`)."""
-
-    table: np.ndarray
-    events: list[tuple[str, int, int, float, float]]
-    placement: list[str]
-    linear_names: list[str]
-    io_mode: str
-    decompression: str
-    resident_bytes: int
-    budget_bytes: int
-    _columns: dict[str, int] = field(default_factory=lambda: {name: i for i, name in enumerate(STAT_FIELDS)})
-
-    def column(self, name: str) -> np.ndarray:
-        return self.table[:, self._columns[name]]
-
-    def _steps(self, decode_only: bool) -> np.ndarray:
-        steps = self.column("step")
-        if not decode_only or not len(steps):
-            return np.unique(steps)
-        tokens = {int(s): self.table[steps == s, self._columns["tokens"]][0] for s in np.unique(steps)}
-        return np.array([s for s, t in tokens.items() if t == tokens[max(tokens)] and s != min(tokens)])
-
-    def totals(self, *, decode_only: bool = False) -> dict[str, float]:
-        """Sums over the (decode) steps, and per-step means of bytes and phase times."""
-        steps = self._steps(decode_only)
-        rows = self.table[np.isin(self.column("step"), steps)]
-        total: dict[str, Any] = {name: float(rows[:, self._columns[name]].sum()) for name in STAT_FIELDS[4:]}
-        total["steps"] = len(steps)
-        for name in STAT_FIELDS[4:]:
-            total[f"{name}_per_step"] = total[name] / len(steps) if len(steps) else float("nan")
-        return total
-
-    @property
-    def num_steps(self) -> int:
-        return int(np.unique(self.column("step")).size)
-
-    def per_step(self) -> list[dict[str, float]]:
-        """Bytes and phase times summed over layers, one dict per step; `tokens` is the step's token count."""
-        steps = self.column("step")
-        return [
-            {
-                "step": int(step),
-                "tokens": float(self.table[steps == step, self._columns["tokens"]][0]),
-                **{
-                    name: float(self.table[steps == step, self._columns[name]].sum())
-                    for name in STAT_FIELDS[4:]
-                },
-            }
-            for step in np.unique(steps)
-        ]
-
-    def per_layer(self, *, decode_only: bool = True) -> list[dict[str, Any]]:
-        """Per layer: its placement and the mean per-step bytes and phase times."""
-        steps = self._steps(decode_only)
-        rows = self.table[np.isin(self.column("step"), steps)]
-        layers = rows[:, self._columns["layer"]].astype(int)
-        return [
-            {
-                "layer": layer,
-                "placement": self.placement[layer],
-                **{
-                    name: float(rows[layers == layer, self._columns[name]].sum()) / max(len(steps), 1)
-                    for name in STAT_FIELDS[4:]
-                },
-            }
-            for layer in range(len(self.placement))
-        ]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "io_mode": self.io_mode,
-            "decompression": self.decompression,
-            "resident_bytes": self.resident_bytes,
-            "budget_bytes": self.budget_bytes,
-            "placement": self.placement,
-            "totals": self.totals(),
-            "decode": self.totals(decode_only=True),
-            "per_layer": self.per_layer(),
-        }
-
-    def summary(self) -> str:
-        t = self.totals(decode_only=True)
-        if not t["steps"]:
-            t = self.totals()
-        counts = {where: self.placement.count(where) for where in ("device", "cpu", "disk")}
-        ms = {phase: 1e3 * t[f"{phase}_s_per_step"] for phase in PHASES}
-        return (
-            f"{t['steps']} steps | layers: {counts['device']} device, {counts['cpu']} memory (compressed), "
-            f"{counts['disk']} disk (compressed) | per step: {format_bytes(t['bytes_read_per_step'])} read, "
-            f"{format_bytes(t['moved_bytes_per_step'])} moved compressed for "
-            f"{format_bytes(t['dense_bytes_per_step'])} dense | read wait {ms['read']:.1f} ms, move "
-            f"{ms['move']:.1f} ms, decompress {ms['decompress']:.1f} ms, compute {ms['compute']:.1f} ms | "
-            f"reads {self.io_mode}, decompression by {self.decompression} | resident "
-            f"{format_bytes(self.resident_bytes)} of "
-            f"{format_bytes(self.budget_bytes)} budget"
-        )
-
-    def __str__(self) -> str:
-        return self.summary()
 
 
 def largest_linear_bytes(store: EndorStore) -> int:
@@ -265,7 +133,8 @@ class EndorRuntime:
         )
         self.linear_names = sorted({name for layer in store.layers for name in layer.linears})
         self._linear_index = {name: i for i, name in enumerate(self.linear_names)}
-        self.stats = EndorStatsRecorder()
+        self.stats = StatsRecorder()
+        self._tokens = 0
         self._last_layer = None
 
     @property
@@ -281,33 +150,36 @@ class EndorRuntime:
     def begin_use(self, layer: int, tokens: int) -> None:
         """Called by each linear before it asks for its weight: a layer below the last one starts a step."""
         if self._last_layer is None or layer < self._last_layer:
-            self.stats.step += 1
-            self.stats.tokens = tokens
+            self.stats.begin_step()
+            self._tokens = tokens
             self._loaded = None  # a disk layer is read again every step: staging is not a cache
         self._last_layer = layer
 
-    def _read(self, layer: int, buffer: int) -> tuple[torch.Tensor, int, float, float]:
-        """On the I/O thread: layer `layer`'s data region into staging buffer `buffer`."""
-        before = self.reader.bytes_read
+    def _read(self, layer: int, buffer: int) -> tuple[torch.Tensor, int, int, float, float]:
+        """On the I/O thread: layer `layer`'s data region into staging buffer `buffer`; returns it, the
+        bytes and requests read, and when the read started and ended."""
+        nbytes, reads = self.reader.bytes_read, self.reader.reads_issued
         started = perf_counter()
         self.reader.read_all(layer, self._staging[buffer])
         data = self._staging[buffer][: self.store.layers[layer].data_bytes]
-        return data, self.reader.bytes_read - before, started, perf_counter()
+        nbytes, reads = self.reader.bytes_read - nbytes, self.reader.reads_issued - reads
+        return data, nbytes, reads, started, perf_counter()
 
     def _submit(self, layer: int) -> tuple[Future, int]:
         buffer = self._next_buffer
         self._next_buffer = 1 - buffer
         return self._io.submit(self._read, layer, buffer), buffer
 
-    def compressed(self, layer: int, linear: str) -> tuple[EndorMatrix, float, int]:
-        """Layer `layer`'s compressed `linear`, the seconds spent waiting for it and the bytes read for it."""
+    def compressed(self, layer: int, linear: str) -> tuple[EndorMatrix, float, int, int]:
+        """Layer `layer`'s compressed `linear`, the seconds spent waiting for it, and the bytes and requests
+        read for it."""
         if layer in self.resident:
-            return self.resident[layer][linear], 0.0, 0
+            return self.resident[layer][linear], 0.0, 0, 0
         if self._loaded is not None and self._loaded.layer == layer:
-            return self._loaded.matrices[linear], 0.0, 0
+            return self._loaded.matrices[linear], 0.0, 0, 0
         pending = self._pending.pop(layer, None) or self._submit(layer)
         waited = perf_counter()
-        data, nbytes, started, ended = pending[0].result()
+        data, nbytes, reads, started, ended = pending[0].result()
         now = perf_counter()
         self.stats.events.append(("read", layer, -1, started, ended))
         entry = self.store.layers[layer]
@@ -316,13 +188,13 @@ class EndorRuntime:
         )
         if (following := self._next_disk.get(layer)) is not None:
             self._pending[following] = self._submit(following)
-        return self._loaded.matrices[linear], now - waited, nbytes
+        return self._loaded.matrices[linear], now - waited, nbytes, reads
 
     def weight(self, layer: int, linear: str, device: torch.device) -> torch.Tensor:
         """The dense weight of `linear` in layer `layer`, decompressed on `device` into a reused workspace.
 
         Valid until the next call: the caller uses it at once."""
-        matrix, read_s, nbytes = self.compressed(layer, linear)
+        matrix, read_s, nbytes, reads = self.compressed(layer, linear)
         t0 = perf_counter()
         moved = matrix.to(device, non_blocking=True) if matrix.device != device else matrix
         t1 = perf_counter()
@@ -336,24 +208,24 @@ class EndorRuntime:
         if moved is not matrix:
             self.stats.events.append(("move", layer, index, t0, t1))
         self.stats.events.append(("decompress", layer, index, t1, t2))
-        self._row = [
-            self.stats.step,
-            layer,
-            index,
-            self.stats.tokens,
-            nbytes,
-            matrix.nbytes if moved is not matrix else 0,
-            rows * cols * self.dtype.itemsize,
-            read_s,
-            t1 - t0 if moved is not matrix else 0.0,
-            t2 - t1,
-        ]
+        dense = self._tokens * rows * cols * self.dtype.itemsize
+        self._row = {
+            "tokens": self._tokens,
+            "bytes_read": nbytes,
+            "reads": reads,
+            "used_bytes": dense,  # lossless: every weight of the (pruned) model is used
+            "dense_bytes": dense,
+            "moved_bytes": matrix.nbytes if moved is not matrix else 0,
+            "io_s": read_s,
+            "move_s": t1 - t0 if moved is not matrix else 0.0,
+            "decompress_s": t2 - t1,
+        }
         return out
 
     def record_compute(self, layer: int, linear: str, started: float, ended: float) -> None:
         """Close the row `weight` opened with the linear's compute time."""
         self.stats.events.append(("compute", layer, self._linear_index[linear], started, ended))
-        self.stats.rows.append((*self._row, ended - started))
+        self.stats.record(layer, **self._row, compute_s=ended - started)
 
     def _workspace(self, device: torch.device) -> torch.Tensor:
         if device not in self._workspaces:
@@ -367,21 +239,17 @@ class EndorRuntime:
             self._decompressors[device] = Decompressor(self._largest_linear_numel, self.dtype, device)
         return self._decompressors[device]
 
-    def snapshot(self) -> EndorStats:
-        table = np.array(self.stats.rows, dtype=np.float64).reshape(-1, len(STAT_FIELDS))
-        return EndorStats(
-            table=table,
-            events=list(self.stats.events),
-            placement=list(self.placement),
-            linear_names=list(self.linear_names),
+    def snapshot(self) -> FlashStats:
+        return self.stats.snapshot(
             io_mode=self.io_mode,
+            resident_bytes=self.resident_bytes,
+            budget_bytes=self.budget_bytes,
+            placement=tuple(self.placement),
             decompression=", ".join(
                 decompression_path() if device.type == "cpu" else f"torch ops on {device}"
                 for device in self._decompressors
             )
             or "none yet",
-            resident_bytes=self.resident_bytes,
-            budget_bytes=self.budget_bytes,
         )
 
     def reset_stats(self) -> None:
