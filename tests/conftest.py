@@ -306,6 +306,18 @@ def smollm2_dir() -> Path:
 # --------------------------------------------------------------------------------------------------
 
 
+def save_word_tokenizer(path: Path) -> None:
+    """Save a word-level tokenizer whose ids fit the tiny models' vocabulary into checkpoint `path`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = "the and to of I you a my in is that not me it his with be your this he for have"
+    vocab = {token: i for i, token in enumerate(["[UNK]", *words.split(), *".,;:!?'"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(path)
+
+
 def check_token_cache(name: str, tokenizer, monkeypatch) -> torch.Tensor:
     """Tokenize corpus `name` through its token cache and check the cache and the calibration/test split;
     returns the whole token stream."""

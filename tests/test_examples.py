@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import save_word_tokenizer
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
 SCRIPTS = sorted(EXAMPLES_DIR.glob("*.py"))
@@ -60,16 +61,9 @@ EXAMPLES: dict[str, tuple[list[str], list[str]]] = {
 @pytest.fixture(scope="module")
 def tiny_with_tokenizer(make_tiny_checkpoint, tmp_path_factory) -> Path:
     """A copy of the tiny bf16 llama checkpoint with a word-level tokenizer whose ids fit its vocabulary."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     path = tmp_path_factory.mktemp("examples") / "tiny"
     shutil.copytree(make_tiny_checkpoint("llama", dtype=torch.bfloat16), path)
-    words = "the and to of I you a my in is that not me it his with be your this he for have"
-    vocab = {token: i for i, token in enumerate(["[UNK]", *words.split(), *".,;:!?'"])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(path)
+    save_word_tokenizer(path)
     return path
 
 

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from conftest import save_word_tokenizer
 
 from flashlm.cli.main import main
 
@@ -38,16 +39,9 @@ def _tiny_with_tokenizer(make_tiny_checkpoint, tmp_path):
     """A copy of the tiny llama checkpoint with a word-level tokenizer whose ids fit its vocabulary."""
     import shutil
 
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     path = tmp_path / "tiny"
     shutil.copytree(make_tiny_checkpoint("llama", dtype=torch.float32), path)
-    words = "the and to of I you a my in is that not me it his with be your this he for have"
-    vocab = {token: i for i, token in enumerate(["[UNK]", *words.split(), *".,;:!?'"])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(path)
+    save_word_tokenizer(path)
     return path
 
 

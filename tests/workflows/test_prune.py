@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import build_tiny_model, save_word_tokenizer
 from torch import nn
 
 from flashlm.cli.main import build_parser, main
@@ -324,16 +324,9 @@ def test_prune_model_rejects_before_changing_anything():
 @pytest.fixture
 def tiny_with_tokenizer(make_tiny_checkpoint, tmp_path):
     """A copy of the tiny bf16 llama checkpoint with a word-level tokenizer whose ids fit its vocabulary."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     path = tmp_path / "tiny"
     shutil.copytree(make_tiny_checkpoint("llama"), path)
-    words = "the and to of I you a my in is that not me it his with be your this he for have"
-    vocab = {token: i for i, token in enumerate(["[UNK]", *words.split(), *".,;:!?'"])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(path)
+    save_word_tokenizer(path)
     return path
 
 
