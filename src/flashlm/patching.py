@@ -9,7 +9,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -32,6 +34,7 @@ from .store.convert import layer_weights
 from .store.format import update_content_hash
 
 logger = logging.getLogger(__name__)
+S = TypeVar("S")
 
 
 def default_store_path(name: str, key: str, suffix: str = ".flash") -> Path:
@@ -41,36 +44,51 @@ def default_store_path(name: str, key: str, suffix: str = ".flash") -> Path:
     return cache_dir() / "stores" / f"{safe_name}-{key[:16]}{suffix}"
 
 
+def _open_or_convert(
+    config: FlashConfig,
+    name: str,
+    key: str,
+    suffix: str,
+    convert_to: Callable[[Path], object],
+    open_at: Callable[[Path], S],
+) -> S:
+    """The one store-opening policy: the store at `config.store`, or at the default path for `name`
+    and `key` (a fingerprint or content hash); converted first (`convert_to(path)`, which writes to a
+    temporary name and renames) if nothing is there. The caller checks that it matches the model."""
+    path = Path(config.store).expanduser() if config.store else default_store_path(name, key, suffix)
+    if not path.exists():
+        logger.warning("flashlm: no store at %s; converting %s (one pass over the weights).", path, name)
+        convert_to(path)
+    return open_at(path)
+
+
 def open_store_for_checkpoint(
     checkpoint_dir: str | Path, config: FlashConfig, *, progress: bool = True
 ) -> Store:
-    """The store of a safetensors checkpoint: opened and checked, or converted first if missing."""
+    """The MLP store of a safetensors checkpoint: opened and checked, or converted first if missing."""
     source = SafetensorsSource(checkpoint_dir)
     fingerprint = source.fingerprint()
-    path = (
-        Path(config.store).expanduser()
-        if config.store
-        else default_store_path(str(checkpoint_dir), fingerprint)
+    store = _open_or_convert(
+        config,
+        str(checkpoint_dir),
+        fingerprint,
+        ".flash",
+        lambda path: convert(source, path, progress=progress),
+        Store.open,
     )
-    if not path.exists():
-        logger.warning(
-            "flashlm: no store at %s; converting %s (one pass over the checkpoint).", path, checkpoint_dir
-        )
-        convert(source, path, progress=progress)
-    store = Store.open(path)
     store.check_matches(model_type=source.model_type, fingerprint=fingerprint)
     return store
 
 
 def open_store_for_module(model: nn.Module, config: FlashConfig, *, progress: bool = True) -> Store:
-    """The store of a model already in memory: opened and checked against its MLP weights, or converted."""
+    """The MLP store of a model already in memory: opened and checked against its MLP weights, or
+    converted."""
     source = ModuleSource(model)
     content = mlp_content_sha256(source)
     name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-    path = Path(config.store).expanduser() if config.store else default_store_path(name, content)
-    if not path.exists():
-        convert(source, path, progress=progress)
-    store = Store.open(path)
+    store = _open_or_convert(
+        config, name, content, ".flash", lambda path: convert(source, path, progress=progress), Store.open
+    )
     store.check_matches(model_type=source.model_type, content_sha256=content)
     return store
 
@@ -83,16 +101,19 @@ def open_endor_store(
     fingerprint = source.fingerprint()
     name = source.path or getattr(model.config, "_name_or_path", "") or type(model).__name__
     key = fingerprint or _decoder_weights_sha256(source, model)
-    path = Path(config.store).expanduser() if config.store else default_store_path(name, key, ".endor")
-    if not path.exists():
-        logger.warning("flashlm: no Endor store at %s; compressing the decoder layers of %s.", path, name)
-        convert_endor(source, path, endor_layout(model), progress=progress)
-    store = EndorStore.open(path)
+    store = _open_or_convert(
+        config,
+        str(name),
+        key,
+        ".endor",
+        lambda path: convert_endor(source, path, endor_layout(model), progress=progress),
+        EndorStore.open,
+    )
     store.check_matches(model_type=source.model_type, fingerprint=fingerprint)
     if fingerprint is None and store.content_sha256 != key:
         raise StoreMismatchError(
-            f"The Endor store {path} was compressed from other weights than this model's. Delete it or pass "
-            "another `store=` path."
+            f"The Endor store {store.path} was compressed from other weights than this model's. Delete it or "
+            "pass another `store=` path."
         )
     return store
 
