@@ -12,10 +12,13 @@ hold every layout of every model.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -486,9 +489,30 @@ def _check_destination(dest: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{dest} exists and is not a flashlm store; refusing to replace it.")
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux `renameat2(RENAME_EXCHANGE)`); False where the system or
+    the file system cannot."""
+    if sys.platform != "linux":
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:  # glibc before 2.28
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
 def _move_into_place(tmp: Path, dest: Path) -> None:
-    """Rename the finished `tmp` to `dest`, replacing an old store only once the new one is in place."""
-    if dest.exists() or dest.is_symlink():
+    """Rename the finished `tmp` to `dest`, replacing an old store only once the new one is in place: in
+    one atomic exchange where the system allows (a kill at any point leaves one whole store at `dest`),
+    else by moving the old one aside first."""
+    if (dest.exists() or dest.is_symlink()) and _exchange(tmp, dest):
+        _remove(tmp)  # now the old store
+    elif dest.exists() or dest.is_symlink():
         old = dest.parent / f".{dest.name}.old-{os.getpid()}"
         os.replace(dest, old)
         try:
@@ -496,13 +520,17 @@ def _move_into_place(tmp: Path, dest: Path) -> None:
         except BaseException:
             os.replace(old, dest)
             raise
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old)
-        else:
-            old.unlink()
+        _remove(old)
     else:
         os.replace(tmp, dest)
     fsync_dir(dest.parent)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
 
 
 def write_json_durably(path: Path, data: object) -> None:

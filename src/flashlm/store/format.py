@@ -18,11 +18,13 @@ import hashlib
 import json
 import os
 import struct
+from itertools import pairwise
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from ..arch import ARCHITECTURES
 from ..errors import StoreCorruptError, StoreMismatchError, StoreNotFoundError
 from .rowfile import ALIGNMENT, RowFile
 from .sources import TensorSource, load_mlp, mlp_owners, read_safetensors_header
@@ -65,6 +67,21 @@ KIND_LAYOUTS = {
 `gate`, `up`: [d_ff, d_model]; `down`: [d_model, d_ff]. `dip_in` and `down` have d_model rows, every
 other kind d_ff.
 """
+
+
+def kind_shape(kind: str, d_model: int, d_ff: int, gated: bool) -> tuple[int, int]:
+    """`[rows, width]` of a kind's matrix (see `KIND_LAYOUTS`)."""
+    if kind in ("gate", "up"):
+        return d_ff, d_model
+    if kind == "down":
+        return d_model, d_ff
+    if kind == "dip_in":
+        return d_model, 2 * d_ff
+    if kind == "dip_down":
+        return d_ff, d_model
+    if kind == "bundle":
+        return d_ff, (3 if gated else 2) * d_model
+    return d_ff, 2 * d_model  # gate_down, up_down
 
 
 def dense_kinds(gated: bool) -> tuple[str, ...]:
@@ -234,7 +251,7 @@ class Store(ConvertedFrom):
             )
         try:
             manifest = json.loads(manifest_path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8, JSON, huge integer
             raise StoreCorruptError(
                 f"The manifest of the store {path} is unreadable ({exc}). {_RECONVERT_HINT}"
             ) from exc
@@ -268,7 +285,53 @@ class Store(ConvertedFrom):
                     f"{_RECONVERT_HINT}"
                 )
         if RESIDENT in files:
-            _read_header(self.path, RESIDENT)
+            self._check_resident()
+
+    def _check_resident(self) -> None:
+        """The resident file holds each layer's `up_bias` [d_ff] and `down_bias` [d_model] in the store's
+        dtype, packed in its data region (the layout `write_aligned_safetensors` gives them)."""
+        header_bytes, header = _read_header(self.path, RESIDENT)
+        header.pop("__metadata__", None)
+        data_bytes = self.manifest["files"][RESIDENT]["size"] - 8 - len(header_bytes)
+        names = [
+            (f"layers.{layer}.{name}", length)
+            for layer in range(self.num_layers)
+            for name, length in (("up_bias", self.d_ff), ("down_bias", self.d_model))
+        ]
+        spans = []
+        for name, length in names:
+            entry = header.get(name)
+            offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+            valid = (
+                isinstance(entry, dict)
+                and entry.get("dtype") == _SAFETENSORS_DTYPES[self.dtype]
+                and entry.get("shape") == [length]
+                and type(entry["shape"][0]) is int
+                and isinstance(offsets, list)
+                and len(offsets) == 2
+                and all(type(o) is int for o in offsets)
+                and offsets[0] >= 0
+                and offsets[1] - offsets[0] == length * self.dtype.itemsize
+                and offsets[1] <= data_bytes
+            )
+            if not valid:
+                raise StoreCorruptError(
+                    f"{self.path / RESIDENT} does not hold {name} as a [{length}] {dtype_name(self.dtype)} "
+                    f"vector inside its data. {_RECONVERT_HINT}"
+                )
+            spans.append(offsets)
+        if set(header) != {name for name, _ in names} or any(a[1] > b[0] for a, b in pairwise(sorted(spans))):
+            raise StoreCorruptError(
+                f"{self.path / RESIDENT} holds other tensors than the biases, or overlapping ones. "
+                f"{_RECONVERT_HINT}"
+            )
+        try:  # and safetensors, which `resident` reads it with, accepts its header as written
+            with safe_open(self.path / RESIDENT, framework="pt") as f:
+                f.keys()
+        except Exception as exc:  # safetensors raises its own SafetensorError (no public base class)
+            raise StoreCorruptError(
+                f"{self.path / RESIDENT} is not a valid safetensors file ({exc}). {_RECONVERT_HINT}"
+            ) from exc
 
     def row_file(self, layer: int, kind: str) -> RowFile:
         """Where layer `layer`'s matrix of `kind` lies on disk."""
@@ -389,9 +452,36 @@ def _check_manifest(path: Path, manifest: object) -> None:
         raise StoreCorruptError(
             f"The manifest of {path} lists invalid unit kinds {sorted(unknown)}. {_RECONVERT_HINT}"
         )
+    spec = ARCHITECTURES.get(manifest["model_type"])
+    if spec is not None and spec.family != manifest["family"]:
+        raise StoreCorruptError(
+            f"The manifest of {path} gives model_type {manifest['model_type']!r} the family "
+            f"{manifest['family']!r}; it is {spec.family!r}. {_RECONVERT_HINT}"
+        )
+    if manifest["num_layers"] < 1 or manifest["d_model"] < 1 or manifest["d_ff"] < 1:
+        raise StoreCorruptError(f"The manifest of {path} gives non-positive dimensions. {_RECONVERT_HINT}")
+    for relative, entry in manifest["files"].items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or entry["size"] < 0:
+            raise StoreCorruptError(
+                f"The manifest of {path} has no valid size for {relative}. {_RECONVERT_HINT}"
+            )
+    if manifest["has_bias"] != (RESIDENT in manifest["files"]):
+        raise StoreCorruptError(
+            f"The manifest of {path} says has_bias={manifest['has_bias']} but "
+            f"{'lists no' if manifest['has_bias'] else 'lists a'} {RESIDENT}. {_RECONVERT_HINT}"
+        )
     for kind, layout in manifest["kinds"].items():
-        if not all(isinstance(layout.get(k), int) for k in ("rows", "width", "row_bytes")):
+        if not isinstance(layout, dict) or not all(
+            isinstance(layout.get(k), int) for k in ("rows", "width", "row_bytes")
+        ):
             raise StoreCorruptError(f"The manifest of {path} lacks the layout of {kind!r}. {_RECONVERT_HINT}")
+        shape = kind_shape(kind, manifest["d_model"], manifest["d_ff"], manifest["gated"])
+        if (layout["rows"], layout["width"]) != shape:
+            raise StoreCorruptError(
+                f"The manifest of {path} gives {kind!r} a [{layout['rows']}, {layout['width']}] layout; "
+                f"d_model={manifest['d_model']} and d_ff={manifest['d_ff']} make it {list(shape)}. "
+                f"{_RECONVERT_HINT}"
+            )
         for layer in range(manifest["num_layers"]):
             entry = manifest["files"].get(row_file_name(layer, kind))
             if not isinstance(entry, dict) or not all(

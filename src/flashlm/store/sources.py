@@ -56,12 +56,13 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[bytes, dict]:
         if len(prefix) != 8:
             raise ValueError(f"{path} is too short to be a safetensors file.")
         (length,) = struct.unpack("<Q", prefix)
+        size = os.fstat(f.fileno()).st_size
+        if length > size - 8:  # checked before reading: a damaged prefix can claim exabytes
+            raise ValueError(f"{path} ends inside its safetensors header ({size - 8} of {length} bytes).")
         raw = f.read(length)
-    if len(raw) != length:
-        raise ValueError(f"{path} ends inside its safetensors header ({len(raw)} of {length} bytes).")
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: bad UTF-8, JSON, or an over-long integer
         raise ValueError(f"{path} has an unreadable safetensors header: {exc}.") from exc
     if not isinstance(header, dict):
         raise ValueError(f"{path} has a safetensors header that is not a JSON object.")
