@@ -4,6 +4,8 @@ per-token top-k masks (`flashlm.ops.select`) against a tie-stable sort."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -108,6 +110,27 @@ def test_without_the_native_kernel_torch_is_measured_alone(monkeypatch) -> None:
     try:
         product = ColumnProduct.measure(torch.bfloat16, 80)
         assert set(product.timings_ms["decode"]) == {"torch", "torch-fp32"}
+    finally:
+        columns._measure.cache_clear()
+
+
+def test_measured_choice_is_remembered_per_machine(monkeypatch, tmp_path) -> None:
+    """A later load (a new process: the memo is cleared) reuses the choice without timing anything; a
+    damaged file is measured again and rewritten."""
+    monkeypatch.setenv("FLASHLM_CACHE", str(tmp_path))
+    columns._measure.cache_clear()
+    try:
+        first = ColumnProduct.measure(torch.bfloat16, 72, density=0.4)
+        path = tmp_path / "measurements" / columns.MEASUREMENTS
+        assert path.is_file()
+        columns._measure.cache_clear()
+        with monkeypatch.context() as m:
+            m.setattr(columns, "_time", lambda *args, **kwargs: pytest.fail("measured again"))
+            assert ColumnProduct.measure(torch.bfloat16, 72, density=0.4) == first
+        path.write_text("{not json")
+        columns._measure.cache_clear()
+        assert ColumnProduct.measure(torch.bfloat16, 72, density=0.4).decode in first.timings_ms["decode"]
+        assert len(json.loads(path.read_text())) == 1
     finally:
         columns._measure.cache_clear()
 

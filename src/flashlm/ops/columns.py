@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
+import os
+import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +36,8 @@ from pathlib import Path
 import torch
 
 from .._native import load_library, typed_functions
+from .._utils import cache_dir
+from ..errors import CacheDirError
 
 SOURCE = Path(__file__).with_name("_columns.c")
 PREFILL_TOKENS = 32
@@ -150,7 +155,8 @@ class ColumnProduct:
     def measure(cls, dtype: torch.dtype, width: int, density: float = 1.0) -> ColumnProduct:
         """Time every implementation available on a synthetic `[rows, width]` matrix whose rows
         have a nonzero coefficient with probability `density` (the share of units a method keeps: the
-        native kernel skips the others, torch's products do not). Memoized per 5% of density."""
+        native kernel skips the others, torch's products do not). Memoized per 5% of density, and
+        remembered in flashlm's cache per machine (`MEASUREMENTS`): later loads reuse the choice."""
         return _measure(dtype, width, torch.get_num_threads(), round(min(max(density, 0.05), 1.0) * 20) / 20)
 
 
@@ -186,9 +192,64 @@ def _run(name: str, out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -
         torch_fp32(out, coef, rows)
 
 
+MEASUREMENTS = "column_products.json"
+"""File in flashlm's cache that remembers each machine's measured choices: the implementations round
+differently (torch's bf16 product rounds the coefficients to bf16), so a choice re-measured at every
+load could differ between runs, and with it a sparse method's tokens."""
+
+
+def _machine_key(dtype: torch.dtype, width: int, threads: int, density: float) -> str:
+    """What a measurement depends on: torch and its kernels, the CPU, the problem."""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    isa = (os.environ.get(name, "") for name in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"))
+    native = "native" if _native_functions() is not None else "no-native"
+    machine = [torch.__version__, torch.backends.cpu.get_cpu_capability(), *isa, cpu, native]
+    return "|".join([*machine, str(dtype), str(width), str(threads), f"{density:.2f}"])
+
+
+def _measurements_path() -> Path | None:
+    try:
+        return cache_dir() / "measurements" / MEASUREMENTS
+    except CacheDirError:
+        return None  # an unwritable cache: measure at every load
+
+
+def _remembered(key: str) -> ColumnProduct | None:
+    path = _measurements_path()
+    try:
+        entry = json.loads(path.read_text())[key] if path is not None else None
+        return ColumnProduct(entry["decode"], entry["prefill"], entry["timings_ms"]) if entry else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # missing or damaged: measure again (and rewrite it)
+
+
+def _remember(key: str, product: ColumnProduct) -> None:
+    path = _measurements_path()
+    if path is None:
+        return
+    try:
+        known = json.loads(path.read_text())
+        known = known if isinstance(known, dict) else {}
+    except (OSError, ValueError):
+        known = {}
+    known[key] = {"decode": product.decode, "prefill": product.prefill, "timings_ms": product.timings_ms}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(known, indent=1))
+    os.replace(tmp, path)  # another process's concurrent write may win: both hold valid choices
+
+
 @functools.cache
 def _measure(dtype: torch.dtype, width: int, threads: int, density: float) -> ColumnProduct:
-    """`ColumnProduct.measure`, memoized per torch thread count too."""
+    """`ColumnProduct.measure`, memoized per torch thread count too, and remembered per machine."""
+    key = _machine_key(dtype, width, threads, density)
+    if (product := _remembered(key)) is not None:
+        return product
     candidates = (
         ["native", "torch", "torch-fp32"] if _native_functions() is not None else ["torch", "torch-fp32"]
     )
@@ -208,7 +269,9 @@ def _measure(dtype: torch.dtype, width: int, threads: int, density: float) -> Co
             # One token's product reads rows the CPU caches no longer hold; a prompt's reuses them.
             timings[bucket][name] = 1e3 * _time(call, cold=rows if tokens == 1 else None)
         best[bucket] = min(timings[bucket], key=timings[bucket].get)
-    return ColumnProduct(best["decode"], best["prefill"], timings)
+    product = ColumnProduct(best["decode"], best["prefill"], timings)
+    _remember(key, product)
+    return product
 
 
 def _sample_rows(width: int) -> int:
