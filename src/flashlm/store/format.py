@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import struct
-from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -288,50 +287,28 @@ class Store(ConvertedFrom):
             self._check_resident()
 
     def _check_resident(self) -> None:
-        """The resident file holds each layer's `up_bias` [d_ff] and `down_bias` [d_model] in the store's
-        dtype, packed in its data region (the layout `write_aligned_safetensors` gives them)."""
-        header_bytes, header = _read_header(self.path, RESIDENT)
-        header.pop("__metadata__", None)
-        data_bytes = self.manifest["files"][RESIDENT]["size"] - 8 - len(header_bytes)
-        names = [
-            (f"layers.{layer}.{name}", length)
-            for layer in range(self.num_layers)
-            for name, length in (("up_bias", self.d_ff), ("down_bias", self.d_model))
-        ]
-        spans = []
-        for name, length in names:
-            entry = header.get(name)
-            offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-            valid = (
-                isinstance(entry, dict)
-                and entry.get("dtype") == _SAFETENSORS_DTYPES[self.dtype]
-                and entry.get("shape") == [length]
-                and type(entry["shape"][0]) is int
-                and isinstance(offsets, list)
-                and len(offsets) == 2
-                and all(type(o) is int for o in offsets)
-                and offsets[0] >= 0
-                and offsets[1] - offsets[0] == length * self.dtype.itemsize
-                and offsets[1] <= data_bytes
-            )
-            if not valid:
-                raise StoreCorruptError(
-                    f"{self.path / RESIDENT} does not hold {name} as a [{length}] {dtype_name(self.dtype)} "
-                    f"vector inside its data. {_RECONVERT_HINT}"
-                )
-            spans.append(offsets)
-        if set(header) != {name for name, _ in names} or any(a[1] > b[0] for a, b in pairwise(sorted(spans))):
-            raise StoreCorruptError(
-                f"{self.path / RESIDENT} holds other tensors than the biases, or overlapping ones. "
-                f"{_RECONVERT_HINT}"
-            )
-        try:  # and safetensors, which `resident` reads it with, accepts its header as written
-            with safe_open(self.path / RESIDENT, framework="pt") as f:
-                f.keys()
+        """The resident file is a safetensors file (as safetensors reads it, the way `resident` does)
+        holding exactly each layer's `up_bias` [d_ff] and `down_bias` [d_model] in the store's dtype."""
+        path = self.path / RESIDENT
+        try:
+            with safe_open(path, framework="pt") as f:
+                slices = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
+                held = {name: (piece.get_shape(), piece.get_dtype()) for name, piece in slices.items()}
         except Exception as exc:  # safetensors raises its own SafetensorError (no public base class)
             raise StoreCorruptError(
-                f"{self.path / RESIDENT} is not a valid safetensors file ({exc}). {_RECONVERT_HINT}"
+                f"{path} is not a valid safetensors file ({exc}). {_RECONVERT_HINT}"
             ) from exc
+        dtype = _SAFETENSORS_DTYPES[self.dtype]
+        expected = {
+            f"layers.{layer}.{name}": ([length], dtype)
+            for layer in range(self.num_layers)
+            for name, length in (("up_bias", self.d_ff), ("down_bias", self.d_model))
+        }
+        if held != expected:
+            raise StoreCorruptError(
+                f"{path} does not hold exactly each layer's up_bias [{self.d_ff}] and down_bias "
+                f"[{self.d_model}] in {dtype_name(self.dtype)}. {_RECONVERT_HINT}"
+            )
 
     def row_file(self, layer: int, kind: str) -> RowFile:
         """Where layer `layer`'s matrix of `kind` lies on disk."""
