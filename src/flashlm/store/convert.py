@@ -45,6 +45,7 @@ from .format import (
     dtype_name,
     kinds_for,
     row_file_name,
+    unit_matrices,
     update_content_hash,
     write_aligned_safetensors,
 )
@@ -180,7 +181,7 @@ def _add_kinds(store: Store, missing: tuple[str, ...], progress: bool) -> None:
             disable=not progress,
         ):
             tensors = layer_weights(store, layer)
-            for kind, rows in _unit_matrices(tensors, missing):
+            for kind, rows in unit_matrices(tensors, missing):
                 relative = row_file_name(layer, kind)
                 final = path / relative
                 tmp = layers_dir / f".{final.name}{suffix}"
@@ -245,7 +246,7 @@ _ROLES = {
 
 def layer_weights(store: Store, layer: int) -> dict[str, torch.Tensor]:
     """Layer `layer`'s MLP weights by role (`gate`, `up`: [d_ff, d_model]; `down`: [d_model, d_ff];
-    views, possibly transposed), read back from kinds the store holds: the inverse of `_unit_matrices`.
+    views, possibly transposed), read back from kinds the store holds: the inverse of `unit_matrices`.
 
     Raises `StoreMismatchError` when the store's kinds do not hold the whole MLP, and
     `StoreCorruptError` when a matrix has another shape than the manifest's MLP gives.
@@ -341,7 +342,7 @@ def _write_store(
         dtype = tensors["down"].dtype
         dims = _check_shapes(spec, owner, tensors, dims)
         update_content_hash(digest, tensors)
-        for kind, rows in _unit_matrices(tensors, kinds):
+        for kind, rows in unit_matrices(tensors, kinds):
             relative = row_file_name(layer, kind)
             files[relative] = write_aligned_safetensors(tmp / relative, {ROWS: rows})
             layouts[kind] = _layout(kind, spec.gated, rows)
@@ -372,42 +373,6 @@ def _write_store(
     write_json_durably(tmp / MANIFEST, manifest)
     fsync_dir(tmp / "layers")
     fsync_dir(tmp)
-
-
-def _unit_matrices(
-    tensors: dict[str, torch.Tensor], kinds: tuple[str, ...]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """`(kind, [rows, width] contiguous matrix)` of one layer, built one kind at a time to bound memory.
-
-    `tensors` holds `down` [d_model, d_ff] and `up` [d_ff, d_model], plus `gate` [d_ff, d_model] or
-    the fused `gate_up` [2 * d_ff, d_model] for a gated MLP (as `load_mlp` returns them); the one home
-    of the layouts `KIND_LAYOUTS` describes, for `convert` and `add_kinds` alike.
-    """
-    down = tensors["down"]
-    if "gate_up" in tensors:
-        gate, up = tensors["gate_up"].chunk(2)
-    else:
-        gate, up = tensors.get("gate"), tensors["up"]
-    for kind in kinds:
-        if kind == "down":
-            yield kind, down.contiguous()
-        elif kind == "bundle":
-            parts = [up, down.T] if gate is None else [gate, up, down.T]
-            yield kind, torch.cat(parts, dim=1)
-        elif kind == "dip_in":
-            yield kind, torch.cat([up.T, gate.T], dim=1)
-        elif kind == "dip_down":
-            yield kind, down.T.contiguous()
-        elif kind == "gate":
-            yield kind, gate.contiguous()
-        elif kind == "up":
-            yield kind, up.contiguous()
-        elif kind == "gate_down":
-            yield kind, torch.cat([gate, down.T], dim=1)
-        elif kind == "up_down":
-            yield kind, torch.cat([up, down.T], dim=1)
-        else:
-            raise ValueError(f"Unknown unit kind {kind!r}; known kinds: {', '.join(KINDS)}.")
 
 
 def _layout(kind: str, gated: bool, rows: torch.Tensor) -> dict:

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -68,19 +69,52 @@ other kind d_ff.
 """
 
 
+def unit_matrices(
+    tensors: dict[str, torch.Tensor], kinds: tuple[str, ...]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(kind, [rows, width] contiguous matrix)` of one layer, built one kind at a time to bound memory.
+
+    `tensors` holds `down` [d_model, d_ff] and `up` [d_ff, d_model], plus `gate` [d_ff, d_model] or
+    the fused `gate_up` [2 * d_ff, d_model] for a gated MLP (as `load_mlp` returns them); the one home
+    of the layouts `KIND_LAYOUTS` describes, for `convert` and `add_kinds` alike.
+    """
+    down = tensors["down"]
+    if "gate_up" in tensors:
+        gate, up = tensors["gate_up"].chunk(2)
+    else:
+        gate, up = tensors.get("gate"), tensors["up"]
+    for kind in kinds:
+        if kind == "down":
+            yield kind, down.contiguous()
+        elif kind == "bundle":
+            parts = [up, down.T] if gate is None else [gate, up, down.T]
+            yield kind, torch.cat(parts, dim=1)
+        elif kind == "dip_in":
+            yield kind, torch.cat([up.T, gate.T], dim=1)
+        elif kind == "dip_down":
+            yield kind, down.T.contiguous()
+        elif kind == "gate":
+            yield kind, gate.contiguous()
+        elif kind == "up":
+            yield kind, up.contiguous()
+        elif kind == "gate_down":
+            yield kind, torch.cat([gate, down.T], dim=1)
+        elif kind == "up_down":
+            yield kind, torch.cat([up, down.T], dim=1)
+        else:
+            raise ValueError(f"Unknown unit kind {kind!r}; known kinds: {', '.join(KINDS)}.")
+
+
 def kind_shape(kind: str, d_model: int, d_ff: int, gated: bool) -> tuple[int, int]:
-    """`[rows, width]` of a kind's matrix (see `KIND_LAYOUTS`)."""
-    if kind in ("gate", "up"):
-        return d_ff, d_model
-    if kind == "down":
-        return d_model, d_ff
-    if kind == "dip_in":
-        return d_model, 2 * d_ff
-    if kind == "dip_down":
-        return d_ff, d_model
-    if kind == "bundle":
-        return d_ff, (3 if gated else 2) * d_model
-    return d_ff, 2 * d_model  # gate_down, up_down
+    """`[rows, width]` of a kind's matrix, from `unit_matrices` on meta tensors (nothing allocated)."""
+    meta = {
+        "down": torch.empty(d_model, d_ff, device="meta"),
+        "up": torch.empty(d_ff, d_model, device="meta"),
+    }
+    if gated:
+        meta["gate"] = torch.empty(d_ff, d_model, device="meta")
+    ((_, matrix),) = unit_matrices(meta, (kind,))
+    return tuple(matrix.shape)
 
 
 def dense_kinds(gated: bool) -> tuple[str, ...]:
@@ -416,7 +450,8 @@ def _check_manifest(path: Path, manifest: object) -> None:
             f"{_RECONVERT_HINT}"
         )
     for key, kind in _REQUIRED_KEYS.items():
-        if not isinstance(manifest.get(key), kind):
+        value = manifest.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):  # True is an int
             raise StoreCorruptError(f"The manifest of {path} lacks a valid {key!r}. {_RECONVERT_HINT}")
     try:
         dtype_from_name(manifest["dtype"])
@@ -435,8 +470,11 @@ def _check_manifest(path: Path, manifest: object) -> None:
             f"The manifest of {path} gives model_type {manifest['model_type']!r} the family "
             f"{manifest['family']!r}; it is {spec.family!r}. {_RECONVERT_HINT}"
         )
-    if manifest["num_layers"] < 1 or manifest["d_model"] < 1 or manifest["d_ff"] < 1:
-        raise StoreCorruptError(f"The manifest of {path} gives non-positive dimensions. {_RECONVERT_HINT}")
+    if not all(0 < manifest[key] < 2**31 for key in ("num_layers", "d_model", "d_ff")):
+        raise StoreCorruptError(
+            f"The manifest of {path} gives dimensions no model has (num_layers {manifest['num_layers']}, "
+            f"d_model {manifest['d_model']}, d_ff {manifest['d_ff']}). {_RECONVERT_HINT}"
+        )
     for relative, entry in manifest["files"].items():
         if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or entry["size"] < 0:
             raise StoreCorruptError(
