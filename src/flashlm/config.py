@@ -9,6 +9,7 @@ environment variables, else the values below).
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from dataclasses import dataclass
@@ -46,8 +47,6 @@ RUNTIME_OPTIONS = (
     "record_trace",
 )
 DEFAULT_MEMORY_BUDGET = "50%"
-METHOD_OPTIONS = {"input_density": None, "cache_aware": 1.0, "threshold": "token", "device_budget": 0}
-"""Options that belong to some methods (their `OPTIONS`), with the default every other method needs."""
 _PERCENT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 
 
@@ -231,9 +230,10 @@ class FlashConfig(QuantizationConfigMixin):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         self.budget = Budget.parse(self.memory_budget)
         self._device_budget = Budget.parse(self.device_budget)
-        for name, default in METHOD_OPTIONS.items():
-            if getattr(self, name) != default and name not in METHODS[self.method].OPTIONS:
-                owners = [method for method in METHODS if name in METHODS[method].OPTIONS]
+        # An option some method declares (`OPTIONS`) must keep its default under every other method.
+        for name, parameter in inspect.signature(FlashConfig.__init__).parameters.items():
+            owners = [method for method in METHODS if name in METHODS[method].OPTIONS]
+            if owners and self.method not in owners and getattr(self, name) != parameter.default:
                 raise ConfigError(
                     f"{name} applies to method={' or '.join(map(repr, owners))} only (method is "
                     f"{self.method!r})."

@@ -54,6 +54,7 @@ CACHE_FIELDS = ("lookup_s", "submit_s", "update_s")
 """The cache's bookkeeping (LLM in a flash Table 3's "memory management"): summed as `cache_s`."""
 DERIVED_FIELDS = ("cache_s",)
 FIELDS = ("step", "layer", *COUNTER_FIELDS, *TIME_FIELDS)
+_VALUE_FIELDS = FIELDS[2:]
 
 
 class StatsRecorder:
@@ -69,7 +70,7 @@ class StatsRecorder:
 
     def record(self, layer: int, **values: float) -> None:
         """One (step, layer) row: every counter and time of `FIELDS` by name (times default to 0)."""
-        self.rows.append((self.step, layer, *(values.get(name, 0.0) for name in FIELDS[2:])))
+        self.rows.append((self.step, layer, *(values.get(name, 0.0) for name in _VALUE_FIELDS)))
 
     def reset(self) -> None:
         self.rows.clear()

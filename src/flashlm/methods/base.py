@@ -91,6 +91,13 @@ class FlashMLP(MethodModule):
         self.d_ff = d_ff
         self.dense_class = dense_class
 
+    def _tokens_of(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`hidden_states` as `[tokens, d_model]`; the first layer's call starts the runtime's step."""
+        x = hidden_states.reshape(-1, self.d_model)
+        if self.layer == 0:
+            self.runtime.begin_step(x.shape[0])
+        return x
+
     def caches(self) -> list[NeuronCache]:
         return [module for module in self.children() if isinstance(module, NeuronCache)]
 

@@ -94,10 +94,8 @@ class StreamingMLP(DenseOnly, FlashMLP):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         runtime = self.runtime
-        x = hidden_states.reshape(-1, self.d_model)
+        x = self._tokens_of(hidden_states)
         tokens = x.shape[0]
-        if self.layer == 0:
-            runtime.begin_step(tokens)
         if runtime.every_unit_resident and runtime.trace is None:
             return self._resident_forward(x).reshape(hidden_states.shape)
         pending = runtime.read_layer(self.layer, self.kinds_for(self.gated), ahead=bool(runtime.read_ahead))

@@ -235,10 +235,8 @@ class SparseMLP(FlashMLP):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         runtime = self.runtime
-        x = hidden_states.reshape(-1, self.d_model)
+        x = self._tokens_of(hidden_states)
         tokens = x.shape[0]
-        if self.layer == 0:
-            runtime.begin_step(tokens)
         before = self.counters()
         times = _StageTimes()
         sequential = tokens > 1 and runtime.config.sequential_prefill
