@@ -301,6 +301,16 @@ def smollm2_dir() -> Path:
     return default_model_path(progress=False, cache_root=_REAL_CACHE_ROOT)
 
 
+@pytest.fixture(scope="session")
+def smollm2_store(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store of SmolLM2 converted once per test session, in a temporary directory."""
+    import flashlm
+
+    path = tmp_path_factory.mktemp("smollm2") / "store.flash"
+    flashlm.convert(smollm2_dir, path, progress=False)
+    return path
+
+
 # --------------------------------------------------------------------------------------------------
 # Markers
 # --------------------------------------------------------------------------------------------------

@@ -55,10 +55,8 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="module")
-def store(smollm2_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("smollm2-long") / "store.flash"
-    flashlm.convert(smollm2_dir, path, progress=False)
-    return path
+def store(smollm2_store):
+    return smollm2_store
 
 
 def kv_bytes(cache) -> int:

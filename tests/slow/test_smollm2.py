@@ -32,10 +32,8 @@ def reference(smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def store(smollm2_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("smollm2") / "store.flash"
-    flashlm.convert(smollm2_dir, path, progress=False)
-    return path
+def store(smollm2_store):
+    return smollm2_store
 
 
 def minimum_budget(store) -> int:
