@@ -178,9 +178,8 @@ class StreamingMLP(DenseOnly, FlashMLP):
         # One token: the cached rows' outputs, then the read rows' (a row's output does not depend on
         # the rows computed beside it, so this equals the whole matrix's product).
         head = cache.rows if cached == cache.rows.shape[0] else cache.rows[:cached]
-        if bias is None:
-            return torch.cat((F.linear(x, head), F.linear(x, matrix[cached:])), 1)
-        return torch.cat((F.linear(x, head, bias[:cached]), F.linear(x, matrix[cached:], bias[cached:])), 1)
+        head_bias, tail_bias = (None, None) if bias is None else (bias[:cached], bias[cached:])
+        return torch.cat((F.linear(x, head, head_bias), F.linear(x, matrix[cached:], tail_bias)), 1)
 
     def _account(self, kind: str, cache: NeuronCache, fetch: Fetch) -> int:
         """Counters, the trace, and (only while the cache has free slots) admission; returns evictions."""
