@@ -53,10 +53,10 @@ def stage_ppl(args, model: Path) -> None:
     from flashlm.config import FlashConfig
     from flashlm.eval.sweep import sweep
     from flashlm.methods.calibration import Calibration
-    from flashlm.patching import open_store_for_checkpoint
+    from flashlm.methods.mlp import open_checkpoint_store
     from flashlm.workflows.calibrate import calibrate
 
-    store = open_store_for_checkpoint(model, FlashConfig())
+    store = open_checkpoint_store(model, FlashConfig())
     if Calibration.load(store.path, store.content_sha256) is None:
         print("== calibrating (DIP density split, thresholds) on the calibration split", file=sys.stderr)
         calibrate(model, corpus=args.corpora[0], num_tokens=1024, context_length=args.context_length)
@@ -106,9 +106,9 @@ def spec_for(method: str, density: float, store: str, **extra) -> dict:
 
 def stage_decode(args, model: Path) -> None:
     from flashlm.config import FlashConfig
-    from flashlm.patching import open_store_for_checkpoint
+    from flashlm.methods.mlp import open_checkpoint_store
 
-    store = str(open_store_for_checkpoint(model, FlashConfig()).path)
+    store = str(open_checkpoint_store(model, FlashConfig()).path)
     rows = read_csv(args.out / "table1" / "sweep.csv") + read_csv(args.out / "table2-sweep" / "sweep.csv")
     ops = operating_points(rows, args.corpora[0])
     specs = [

@@ -30,7 +30,7 @@ from reader_profile import BackgroundLoop, DecodeLoad  # from this folder
 
 from flashlm import FlashConfig
 from flashlm.data.models import default_model_path
-from flashlm.patching import open_store_for_checkpoint
+from flashlm.methods.mlp import open_checkpoint_store
 from flashlm.store import add_kinds
 from flashlm.store.reader import StoreReader
 
@@ -67,7 +67,7 @@ def main() -> None:
     args = parser.parse_args()
 
     model_path = default_model_path()
-    store = add_kinds(open_store_for_checkpoint(model_path, FlashConfig()), [KIND])  # derived once
+    store = add_kinds(open_checkpoint_store(model_path, FlashConfig()), [KIND])  # derived once
     files = {(layer, KIND): store.row_file(layer, KIND) for layer in range(store.num_layers)}
     reader = StoreReader(
         files,

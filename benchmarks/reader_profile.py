@@ -35,7 +35,7 @@ import torch
 
 from flashlm import FlashConfig
 from flashlm.data.models import default_model_path
-from flashlm.patching import open_store_for_checkpoint
+from flashlm.methods.mlp import open_checkpoint_store
 from flashlm.sim.hardware import PRESETS, save_profile
 from flashlm.store import add_kinds
 from flashlm.store.reader import DEFAULT_MERGE_GAP_BYTES, StoreReader
@@ -142,7 +142,7 @@ def main() -> None:
     args = parser.parse_args()
 
     model_path = default_model_path()
-    store = add_kinds(open_store_for_checkpoint(model_path, FlashConfig()), [KIND])  # derived once
+    store = add_kinds(open_checkpoint_store(model_path, FlashConfig()), [KIND])  # derived once
     files = {(layer, KIND): store.row_file(layer, KIND) for layer in range(store.num_layers)}
     reader = StoreReader(files, direct_io=True)  # an I/O buffer the size of the largest file
     row_bytes = files[(0, KIND)].row_bytes

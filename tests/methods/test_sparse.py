@@ -27,7 +27,8 @@ from flashlm.methods.masking import (
     topk_mask,
     union_ids,
 )
-from flashlm.patching import module_class, streaming_mlps
+from flashlm.methods.mlp import module_class
+from flashlm.patching import streaming_mlps
 from flashlm.store import add_kinds
 from flashlm.store.format import dense_kinds
 

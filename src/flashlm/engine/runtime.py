@@ -1,6 +1,12 @@
-"""`FlashRuntime`: what the streaming MLPs of one model share — the store, its reader, the staging
-buffers that receive a layer's missed units, the budget plan, the layer-ahead prefetcher, the cache
-clock, the stats recorder and the optional trace recorder."""
+"""The runtimes: what the flashlm modules of one model share.
+
+`Runtime` is the part every method has — the store, the config, the budget, the reader and the one
+background I/O thread it runs on, the stats recorder — and the lifecycle `flashlm.stats`, `unpatch`
+and the eval harness drive (`drain`, `snapshot`, `reset_stats`, `close`). Methods read in one of
+two granularities: `FlashRuntime` streams units (neuron rows and columns) through per-layer caches
+(dense streaming and the sparse methods); Endor's runtime (`methods/endor.py`) reads whole compressed
+layers.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +14,13 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from time import perf_counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..cache import BudgetPlan, NeuronCache, make_policy, split_budget
 from ..cache.policies import NO_CACHE
-from ..store import ALIGNMENT, Store, StoreReader
+from ..store import ALIGNMENT, RowFile, Store, StoreReader
 from ..store.format import dense_kinds
 from ..store.reader import row_matrix
 from .stats import FlashStats, StatsRecorder
@@ -41,7 +47,76 @@ LayerFetch = dict[str, Fetch]
 """A layer's fetches, by kind."""
 
 
-class FlashRuntime:
+class Runtime:
+    """What the modules of one patched model share whatever their method (see the module docstring).
+
+    Subclasses set `budget_bytes` and implement `resident_bytes`; `files` are the store's files the
+    reader may read (none: no reader, no I/O thread).
+    """
+
+    def __init__(
+        self, store: object, config: FlashConfig, files: dict[object, RowFile], thread_name: str
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.budget_bytes = 0
+        self.stats = StatsRecorder()
+        self.reader: StoreReader | None = None
+        self._io: ThreadPoolExecutor | None = None
+        if files:
+            self.reader = StoreReader(
+                files,
+                direct_io=config.direct_io,
+                threads=config.io_threads,
+                chunk_bytes=config.io_chunk_bytes,
+                buffer_bytes=0,  # every read lands in place in a buffer of the runtime's own
+            )
+            self._io = ThreadPoolExecutor(1, thread_name_prefix=thread_name)
+
+    @property
+    def io_mode(self) -> str:
+        """How the store is read: `direct` (O_DIRECT), `buffered (<why>)`, or `none` (nothing on disk)."""
+        if self.reader is None:
+            return "none"
+        if self.reader.mode == "direct":
+            return "direct"
+        return f"buffered ({self.reader.fallback_reason or 'asked'})"
+
+    def resident_bytes(self) -> int:
+        """Bytes the runtime really allocated within the budget."""
+        raise NotImplementedError
+
+    def drain(self) -> None:
+        """Wait for the background work in flight (before the model's state is read or changed outside a
+        forward). Nothing by default."""
+
+    def snapshot(self) -> FlashStats:
+        """The counters since the last reset (`flashlm.stats`)."""
+        return self.stats.snapshot(
+            io_mode=self.io_mode,
+            resident_bytes=self.resident_bytes(),
+            budget_bytes=self.budget_bytes,
+            **self._snapshot_details(),
+        )
+
+    def _snapshot_details(self) -> dict[str, Any]:
+        """Method-specific fields of the snapshot."""
+        return {}
+
+    def reset_stats(self) -> None:
+        """Clear the counters (after `drain`: queued work may still count)."""
+        self.stats.reset()
+
+    def close(self) -> None:
+        """Stop the I/O thread and close the store's files; the model is unusable after."""
+        self.drain()
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+        if self.reader is not None:
+            self.reader.close()
+
+
+class FlashRuntime(Runtime):
     """Owns the reader and the shared buffers; builds each layer's cache from one memory budget.
 
     `kinds` are the unit kinds the model's method reads (default: dense streaming's, `dense_kinds`,
@@ -68,8 +143,6 @@ class FlashRuntime:
         read_ahead: tuple[str, ...] | None = None,
         slot_dtypes: dict[str, torch.dtype] | None = None,
     ) -> None:
-        self.store = store
-        self.config = config
         dense = kinds is None
         kinds = dense_kinds(store.gated) if dense else kinds
         read_ahead = (kinds if dense else ()) if read_ahead is None else read_ahead
@@ -79,13 +152,7 @@ class FlashRuntime:
         row_files = {
             (layer, kind): store.row_file(layer, kind) for layer in range(store.num_layers) for kind in kinds
         }
-        self.reader = StoreReader(
-            row_files,
-            direct_io=config.direct_io,
-            threads=config.io_threads,
-            chunk_bytes=config.io_chunk_bytes,
-            buffer_bytes=0,  # every read lands in place in a staging matrix: no I/O buffer
-        )
+        super().__init__(store, config, row_files, "flashlm-prefetch")
         self.num_layers = store.num_layers
         self.d_model = store.d_model
         self.layer_mlp_bytes = (3 if store.gated else 2) * store.d_model * store.d_ff * store.dtype.itemsize
@@ -124,13 +191,11 @@ class FlashRuntime:
             for buffer in range(2)
         }
         """Finished reads of nothing, for layers whose caches hold every unit (no I/O thread hop)."""
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="flashlm-prefetch")
         self._pending: Future[LayerFetch] | None = None
         self._pending_for: tuple[int, int, tuple[str, ...]] | None = None
         """(layer, buffer, kinds) of the read `_pending` is doing."""
         self._updates: dict[tuple[int, str], Future[None]] = {}
         """The cache update each (layer, kind) has queued on the I/O thread (`update_later`)."""
-        self.stats = StatsRecorder()
         self.trace = TraceRecorder() if config.record_trace else None
         self.every_unit_resident = False
         """True once every cache holds every unit of its layer (a budget that fits the whole MLP): then
@@ -285,17 +350,9 @@ class FlashRuntime:
         """The staging buffers' bytes, each with the spare block `row_matrix` allocates after it."""
         return sum(b.numel() * b.element_size() + ALIGNMENT for bufs in self.staging.values() for b in bufs)
 
-    def snapshot(self) -> FlashStats:
-        mode = (
-            "direct"
-            if self.reader.mode == "direct"
-            else f"buffered ({self.reader.fallback_reason or 'asked'})"
-        )
-        return self.stats.snapshot(
-            io_mode=mode, resident_bytes=self.resident_bytes(), budget_bytes=self.budget_bytes
-        )
-
-    def close(self) -> None:
-        self.drain()
-        self._io.shutdown()
-        self.reader.close()
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        if self.trace is not None:
+            self.trace.reset()
+        for cache in self.caches.values():
+            cache.reset_counters()

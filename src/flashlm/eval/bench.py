@@ -464,14 +464,13 @@ def markdown(report: dict[str, Any]) -> str:
         )
 
     for r in report["results"]:
+        # compute includes what a method does to its weights before the product (Endor's move and
+        # decompression; zero for the others)
         split = (
-            f"{r['io_ms']:.1f} / {r['cache_ms']:.1f} / {r['compute_ms']:.1f}"
+            f"{r['io_ms']:.1f} / {r['cache_ms']:.1f} / "
+            f"{r['move_ms'] + r['decompress_ms'] + r['compute_ms']:.1f}"
             if "io_ms" in r
-            else (
-                f"{r['read_ms']:.1f} / — / {r['decompress_ms'] + r['compute_ms']:.1f}"
-                if "read_ms" in r
-                else "—"
-            )
+            else "—"
         )
         reader = r.get("reader_bytes_per_token")
         bound = r["bound_tok_s"]

@@ -142,8 +142,7 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
     import torch
     from transformers import AutoTokenizer
 
-    from ..methods.endor import endor_linears
-    from ..patching import stats, streaming_mlps, trace
+    from ..patching import flashlm_modules, stats, trace
 
     torch.manual_seed(0)
     model_path = Path(spec.get("model", model_path))
@@ -152,9 +151,7 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
     model = _load(spec, model_path, offload_dir)
     load_s = time.perf_counter() - started
     cold = spec["kind"] == "accelerate-cold"
-    modules = streaming_mlps(model)
-    endor = bool(endor_linears(model))
-    patched = bool(modules) or endor
+    patched = bool(flashlm_modules(model))
     layer_times = LayerTimer(model)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids.to(model.device)
 
@@ -194,27 +191,8 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
         "layer_ms": layer_times.mean_ms(),
         "last_step_layers": layer_times.last_step,
     }
-    if endor:
-        result.update(_endor_result(stats(model), step_starts=layer_times.step_starts))
-    elif patched:
-        snapshot = stats(model)
-        totals = snapshot.totals()
-        result.update(
-            regime=snapshot.io_mode,
-            reader_bytes_per_token=totals["bytes_read_per_step"],
-            reads_per_token=totals["reads_per_step"],
-            hit_rate=totals["hit_rate"],
-            mlp_density=totals["density"],
-            io_ms=1e3 * totals["io_s_per_step"],
-            io_busy_ms=1e3 * totals["io_busy_s_per_step"],
-            cache_ms=1e3 * totals["cache_s_per_step"],
-            compute_ms=1e3 * totals["compute_s_per_step"],
-            resident_bytes=snapshot.resident_bytes,
-            budget_bytes=snapshot.budget_bytes,
-            capacities={
-                f"{layer}/{kind}": c.capacity for (layer, kind), c in modules[0].runtime.caches.items()
-            },
-        )
+    if patched:
+        result.update(_flashlm_result(model, stats(model), step_starts=layer_times.step_starts))
         if spec.get("trace_path"):
             trace(model).save(spec["trace_path"])
             result["trace_path"] = spec["trace_path"]
@@ -277,27 +255,42 @@ class LayerTimer:
         return [1e3 * sum(d) / len(d) if d else float("nan") for d in self.durations.values()]
 
 
-def _endor_result(snapshot, *, step_starts: list[float]) -> dict:
-    """Per-token figures of an Endor run and the phases of its last decode step, in ms from its start."""
-    totals = snapshot.totals(decode_only=True)
-    last = step_starts[-1]
-    return {
+def _flashlm_result(model, snapshot, *, step_starts: list[float]) -> dict:
+    """Per-token figures of a flashlm run (its decode steps: the counters were reset after the prefill);
+    where the method records a timeline (Endor), the phases of the last decode step, in ms from its
+    start; where it has caches, their capacities (for the simulator)."""
+    from ..patching import runtime_of
+
+    totals = snapshot.totals()
+    result = {
         "regime": snapshot.io_mode,
-        "decompression": snapshot.decompression,
         "reader_bytes_per_token": totals["bytes_read_per_step"],
+        "reads_per_token": totals["reads_per_step"],
         "moved_bytes_per_token": totals["moved_bytes_per_step"],
-        "read_ms": 1e3 * totals["io_s_per_step"],
-        **{f"{phase}_ms": 1e3 * totals[f"{phase}_s_per_step"] for phase in ("move", "decompress", "compute")},
-        "placement": list(snapshot.placement),
+        "hit_rate": totals["hit_rate"],
+        "mlp_density": totals["density"],
+        **{
+            f"{name}_ms": 1e3 * totals[f"{name}_s_per_step"] for name in ("io", "io_busy", "cache", "compute")
+        },
+        **{f"{phase}_ms": 1e3 * totals[f"{phase}_s_per_step"] for phase in ("move", "decompress")},
         "resident_bytes": snapshot.resident_bytes,
         "budget_bytes": snapshot.budget_bytes,
-        "per_layer": snapshot.per_layer(),
-        "last_step_events": [
-            (phase, layer, linear, 1e3 * (start - last), 1e3 * (end - last))
-            for phase, layer, linear, start, end in snapshot.events
-            if start >= last
-        ],
     }
+    if snapshot.placement:
+        last = step_starts[-1]
+        result.update(
+            decompression=snapshot.decompression,
+            placement=list(snapshot.placement),
+            per_layer=snapshot.per_layer(),
+            last_step_events=[
+                (phase, layer, linear, 1e3 * (start - last), 1e3 * (end - last))
+                for phase, layer, linear, start, end in snapshot.events
+                if start >= last
+            ],
+        )
+    if caches := getattr(runtime_of(model), "caches", None):
+        result["capacities"] = {f"{layer}/{kind}": cache.capacity for (layer, kind), cache in caches.items()}
+    return result
 
 
 def run_in_subprocess(spec: dict[str, Any], model_path: Path, *, new_tokens: int, offload_dir: Path) -> dict:

@@ -148,12 +148,12 @@ def perplexity(
     """
     from tqdm.auto import tqdm
 
-    from ..patching import stats, streaming_mlps
+    from ..patching import flashlm_modules, stats
 
     ids = _stream(input_ids)
     windows = num_windows(ids.numel(), context_length, num_tokens)
     device = _device_of(model)
-    patched = bool(streaming_mlps(model))
+    patched = bool(flashlm_modules(model))
     if patched:
         stats(model, reset=True)
     was_training = model.training
@@ -228,12 +228,10 @@ def load_model(
 
 def release(model: torch.nn.Module) -> None:
     """Stop a flashlm model's reader threads and close its store files (the model is unusable after)."""
-    from ..patching import endor_linears, streaming_mlps
+    from ..patching import flashlm_modules, runtime_of
 
-    modules = streaming_mlps(model) or endor_linears(model)
-    runtime = getattr(modules[0], "runtime", None) if modules else None
-    if runtime is not None and hasattr(runtime, "close"):
-        runtime.close()
+    if flashlm_modules(model):
+        runtime_of(model).close()
 
 
 def evaluate(

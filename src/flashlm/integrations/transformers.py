@@ -17,13 +17,7 @@ from transformers.quantizers.auto import (
 
 from ..config import QUANT_METHOD, FlashConfig
 from ..errors import ConfigError
-from ..patching import (
-    dense_mlp_weights,
-    endor_dense_weights,
-    endor_linears,
-    patch_for_loading,
-    streaming_mlps,
-)
+from ..patching import dense_weights, flashlm_modules, patch_for_loading
 
 
 class FlashQuantizer(HfQuantizer):
@@ -62,14 +56,14 @@ class FlashQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        for module in streaming_mlps(model):
+        for module in flashlm_modules(model):
             module.reset_state()
         return model
 
     def get_state_dict_and_metadata(self, model):
         """The full state dict, streamed weights read back from the store: a saved checkpoint is complete."""
         state_dict = dict(model.state_dict())
-        state_dict.update(endor_dense_weights(model) if endor_linears(model) else dense_mlp_weights(model))
+        state_dict.update(dense_weights(model))
         return state_dict, {}
 
     def is_serializable(self) -> bool:

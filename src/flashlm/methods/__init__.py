@@ -1,9 +1,20 @@
 """The methods: the modules that replace a model's MLPs or linears, one class per `FlashConfig.method`
-(registered in `METHODS`), with their selection and calibration. Importing this package registers them all."""
+(registered in `METHODS`), with their selection and calibration, and the `Replacer` of each family
+that puts them into a model. Importing this package registers them all."""
 
-from .base import METHODS, FlashMLP, method_class, register_method
+from .base import (
+    METHODS,
+    MethodModule,
+    Replacer,
+    Target,
+    flashlm_modules,
+    method_class,
+    register_method,
+    runtime_of,
+)
 from .dense import StreamingMLP
 from .endor import EndorLinear
+from .mlp import FlashMLP, module_class, streaming_mlps
 from .sparse import (
     CATSMLP,
     DIPMLP,
@@ -24,13 +35,20 @@ __all__ = [
     "FlashMLP",
     "GLUPruningMLP",
     "GatePruningMLP",
+    "MethodModule",
+    "Replacer",
     "SparseMLP",
     "StreamingMLP",
+    "Target",
     "UpPruningMLP",
     "build_sparse_mlp",
+    "flashlm_modules",
     "method_class",
     "method_specs",
+    "module_class",
     "parse_method_spec",
     "reads_ahead",
     "register_method",
+    "runtime_of",
+    "streaming_mlps",
 ]

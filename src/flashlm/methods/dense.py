@@ -25,11 +25,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import NeuronCache
+from ..engine.runtime import FlashRuntime
 from ..store.format import dense_kinds
-from .base import DenseOnly, FlashMLP, register_method
+from .base import DenseOnly, register_method
+from .mlp import FlashMLP
 
 if TYPE_CHECKING:
-    from ..engine.runtime import Fetch, FlashRuntime
+    from ..config import FlashConfig
+    from ..engine.runtime import Fetch
+    from ..store import Store
+    from .calibration import Calibration
 
 
 @register_method("dense")
@@ -71,6 +76,39 @@ class StreamingMLP(DenseOnly, FlashMLP):
     @staticmethod
     def kinds_for(gated: bool) -> tuple[str, ...]:
         return dense_kinds(gated)
+
+    @classmethod
+    def store_kinds(cls, store: Store) -> tuple[str, ...]:
+        return cls.kinds_for(store.gated)
+
+    @classmethod
+    def make_runtime(cls, store: Store, config: FlashConfig, calibration: Calibration | None) -> FlashRuntime:
+        return FlashRuntime(store, config, read_ahead=None if config.read_ahead is not False else ())
+
+    @classmethod
+    def build(
+        cls,
+        layer: int,
+        runtime: FlashRuntime,
+        act: nn.Module,
+        *,
+        calibration: Calibration | None,
+        dense_class: type[nn.Module] | None,
+    ) -> StreamingMLP:
+        store = runtime.store
+        resident = store.resident(layer)
+        return cls(
+            layer,
+            runtime,
+            {kind: runtime.make_cache(layer, kind) for kind in cls.kinds_for(store.gated)},
+            act,
+            gated=store.gated,
+            d_model=store.d_model,
+            d_ff=store.d_ff,
+            up_bias=resident.get("up_bias"),
+            down_bias=resident.get("down_bias"),
+            dense_class=dense_class,
+        )
 
     @torch.no_grad()
     def reset_state(self) -> None:

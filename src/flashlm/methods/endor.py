@@ -1,26 +1,27 @@
-"""Endor offloading: every decoder layer's linears mapped to the execution device, to memory or to the
-SSD store, moved compressed and decompressed on the execution device just before use (Endor §3.3, §5).
+"""Endor offloading: every decoder layer's linears mapped to the execution device, to memory or to the SSD
+store, moved compressed and decompressed on the execution device just before use (Endor §3.3, §5).
 
-`replace_linears(model, store, config)` is the create-and-replace walk: layers mapped to `"device"` keep
-their `nn.Linear`s (dense weights, loaded by transformers as usual); in the others every linear
-becomes an `EndorLinear`, which holds no weight parameter (its bias stays a parameter). At use, the
-`EndorRuntime` hands it the layer's compressed matrix — resident in memory (`"cpu"`), or read with
-one O_DIRECT request per layer from the store (`"disk"`), the next disk layer's read running on a
-background thread while this layer computes — which is moved to the input's device and decompressed
-there into a reused workspace.
+`EndorReplacer` puts the modules in (through `flashlm.patching`'s one create-and-replace walk): layers
+mapped to `"device"` keep their `nn.Linear`s (dense weights, loaded by transformers as usual); in the
+others every linear becomes an `EndorLinear`, which holds no weight parameter (its bias stays a
+parameter). At use, the `EndorRuntime` hands it the layer's compressed matrix — resident in memory
+(`"cpu"`), or read with one O_DIRECT request per layer from the store (`"disk"`), the next disk layer's
+read running on a background thread while this layer computes — which is moved to the input's device and
+decompressed there into a reused workspace.
 
-Every use is timed by phase (read, move, decompress, compute) into the engine's `FlashStats`, one
-row per step, layer and linear, with a timeline of when each phase ran (the Endor paper's Figs. 3
-and 5).
+Every use is timed by phase (read, move, decompress, compute) into the engine's `FlashStats`, one row per
+step, layer and linear, with a timeline of when each phase ran (the Endor paper's Figs. 3 and 5).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import hashlib
+from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import pairwise
+from pathlib import Path
 from time import perf_counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -28,14 +29,17 @@ from torch import nn
 
 from .._utils import format_bytes
 from ..arch import decoder_layers
-from ..endor.codec import Decompressor, EndorMatrix
+from ..endor.codec import Decompressor, EndorMatrix, decompress
 from ..endor.kernel import decompression_path
-from ..endor.store import EndorStore, layer_placement
-from ..engine.stats import FlashStats, StatsRecorder
+from ..endor.store import EndorStore, convert_endor, endor_layout, layer_placement
+from ..engine.runtime import Runtime
 from ..errors import BudgetTooSmallError, StoreMismatchError
-from ..store.reader import StoreReader, aligned_buffer
+from ..store import ModuleSource, SafetensorsSource
+from ..store.format import update_content_hash
+from ..store.location import open_or_convert
+from ..store.reader import aligned_buffer
 from ..store.rowfile import ALIGNMENT
-from .base import DenseOnly, MethodModule, register_method
+from .base import DenseOnly, MethodModule, Replacer, Target, register_method
 
 if TYPE_CHECKING:
     from ..config import FlashConfig
@@ -70,53 +74,48 @@ class _Loaded:
     matrices: dict[str, EndorMatrix]
 
 
-class EndorRuntime:
-    """What the `EndorLinear`s of one model share: the store, the placement, the memory-resident
-    compressed layers, the reader and its two staging buffers, the decompression workspaces, the stats.
+class EndorRuntime(Runtime):
+    """What the `EndorLinear`s of one model share, beyond every runtime's store, reader, I/O thread and
+    stats: the placement, the memory-resident compressed layers, the two staging buffers the disk
+    layers are read into, the decompression workspaces.
 
     The budget covers the resident compressed layers, the two staging buffers (one disk layer each)
     and the CPU decompression workspace (the largest linear, dense).
     """
 
     def __init__(self, store: EndorStore, config: FlashConfig, *, device_budget: int = 0) -> None:
-        self.store = store
-        self.config = config
         self.dtype = store.dtype
         compressed = [layer.data_bytes for layer in store.layers]
         dense = [layer.dense_bytes for layer in store.layers]
         largest_linear = largest_linear_bytes(store)
-        self.budget_bytes = config.budget.resolve(store.dense_nbytes())
+        budget_bytes = config.budget.resolve(store.dense_nbytes())
         overhead = working_bytes(store)
-        if self.budget_bytes < overhead:
+        if budget_bytes < overhead:
             raise BudgetTooSmallError(
-                f"memory_budget {format_bytes(self.budget_bytes)} ({self.budget_bytes} bytes) cannot hold "
+                f"memory_budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) cannot hold "
                 f"the staging buffers of one disk layer and the decompression workspace: give at least "
                 f"{format_bytes(overhead)} ({overhead} bytes).",
                 minimum_bytes=overhead,
             )
-        self.placement = layer_placement(
-            compressed, dense, budget=self.budget_bytes - overhead, device_budget=device_budget
+        placement = layer_placement(
+            compressed, dense, budget=budget_bytes - overhead, device_budget=device_budget
         )
+        disk = [index for index, where in enumerate(placement) if where == "disk"]
+        super().__init__(
+            store, config, {index: store.layers[index].file for index in disk}, "flashlm-endor-io"
+        )
+        self.budget_bytes = budget_bytes
+        self.placement = placement
         self.resident = {
             index: {name: _pinned(m) for name, m in store.load_layer(index).items()}
             for index, where in enumerate(self.placement)
             if where == "cpu"
         }
-        disk = [index for index, where in enumerate(self.placement) if where == "disk"]
         self._next_disk = dict(pairwise(disk))
-        self.reader: StoreReader | None = None
         self._staging: list[torch.Tensor] = []
         if disk:
-            self.reader = StoreReader(
-                {index: store.layers[index].file for index in disk},
-                direct_io=config.direct_io,
-                threads=config.io_threads,
-                chunk_bytes=config.io_chunk_bytes,
-                buffer_bytes=0,  # layers are read whole, straight into the staging buffers
-            )
             largest = -(-max(compressed[index] for index in disk) // ALIGNMENT) * ALIGNMENT
             self._staging = [aligned_buffer(largest) for _ in range(2)]
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="flashlm-endor-io") if disk else None
         self._pending: dict[int, tuple[Future, int]] = {}
         self._loaded: _Loaded | None = None
         self._next_buffer = 0
@@ -125,7 +124,7 @@ class EndorRuntime:
         }
         self._largest_linear_numel = largest_linear // store.dtype.itemsize
         self._decompressors: dict[torch.device, Decompressor] = {}
-        self.resident_bytes = (
+        self._resident_bytes = (
             sum(compressed[index] for index in self.resident)
             + sum(buffer.numel() for buffer in self._staging)
             + largest_linear
@@ -133,19 +132,11 @@ class EndorRuntime:
         )
         self.linear_names = sorted({name for layer in store.layers for name in layer.linears})
         self._linear_index = {name: i for i, name in enumerate(self.linear_names)}
-        self.stats = StatsRecorder()
         self._tokens = 0
         self._last_layer = None
 
-    @property
-    def io_mode(self) -> str:
-        if self.reader is None:
-            return "none (no disk layers)"
-        return (
-            self.reader.mode
-            if self.reader.fallback_reason is None
-            else f"buffered: {self.reader.fallback_reason}"
-        )
+    def resident_bytes(self) -> int:
+        return self._resident_bytes
 
     def begin_use(self, layer: int, tokens: int) -> None:
         """Called by each linear before it asks for its weight: a layer below the last one starts a step."""
@@ -239,28 +230,21 @@ class EndorRuntime:
             self._decompressors[device] = Decompressor(self._largest_linear_numel, self.dtype, device)
         return self._decompressors[device]
 
-    def snapshot(self) -> FlashStats:
-        return self.stats.snapshot(
-            io_mode=self.io_mode,
-            resident_bytes=self.resident_bytes,
-            budget_bytes=self.budget_bytes,
-            placement=tuple(self.placement),
-            decompression=", ".join(
-                decompression_path() if device.type == "cpu" else f"torch ops on {device}"
-                for device in self._decompressors
-            )
-            or "none yet",
+    def _snapshot_details(self) -> dict[str, Any]:
+        paths = (
+            decompression_path() if device.type == "cpu" else f"torch ops on {device}"
+            for device in self._decompressors
         )
+        return {"placement": tuple(self.placement), "decompression": ", ".join(paths) or "none yet"}
 
     def reset_stats(self) -> None:
-        self.stats.reset()
+        super().reset_stats()
         self._last_layer = None
 
-    def close(self) -> None:
-        if self._io is not None:
-            self._io.shutdown(wait=True)
-        if self.reader is not None:
-            self.reader.close()
+    def drain(self) -> None:
+        for pending, _ in self._pending.values():
+            pending.result()
+        self._pending.clear()
 
 
 def _pinned(matrix: EndorMatrix) -> EndorMatrix:
@@ -272,11 +256,110 @@ def _pinned(matrix: EndorMatrix) -> EndorMatrix:
     )
 
 
+class EndorReplacer(Replacer):
+    """Puts an `EndorLinear` in the place of every linear of every decoder layer not mapped to the
+    execution device, reading the Endor store (`.endor`)."""
+
+    def open_store(
+        self, model: nn.Module, config: FlashConfig, checkpoint_dir: Path | None, *, progress: bool = True
+    ) -> EndorStore:
+        source = SafetensorsSource(checkpoint_dir) if checkpoint_dir is not None else ModuleSource(model)
+        fingerprint = source.fingerprint()
+        name = source.path or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        key = fingerprint or _decoder_weights_sha256(source, model)
+        store = open_or_convert(
+            config.store,
+            str(name),
+            key,
+            ".endor",
+            lambda path: convert_endor(source, path, endor_layout(model), progress=progress),
+            EndorStore.open,
+        )
+        store.check_matches(model_type=source.model_type, fingerprint=fingerprint)
+        if fingerprint is None and store.content_sha256 != key:
+            raise StoreMismatchError(
+                f"The Endor store {store.path} was compressed from other weights than this model's. "
+                "Delete it or pass another `store=` path."
+            )
+        return store
+
+    def prepare(
+        self, model: nn.Module, store: EndorStore, config: FlashConfig
+    ) -> tuple[EndorRuntime, list[Target]]:
+        layers = decoder_layers(model)
+        mismatched = [
+            name
+            for (index, name, _), entry in zip(layers, store.layers, strict=False)
+            if entry.prefix != name or entry.index != index
+        ]
+        if len(layers) != store.num_layers or mismatched:
+            raise StoreMismatchError(
+                f"The Endor store {store.path} holds {store.num_layers} layers "
+                f"({store.layers[0].prefix}, ...), the model has {len(layers)} ({layers[0][1]}, ...)"
+                f"{'; first mismatch: ' + mismatched[0] if mismatched else ''}. "
+                "Convert the store from this model."
+            )
+        with torch.device("cpu"):  # transformers builds the model under a meta-device context
+            runtime = EndorRuntime(
+                store, config, device_budget=config.device_budget_bytes(store.dense_nbytes())
+            )
+        targets = []
+        for (index, prefix, layer), entry in zip(layers, store.layers, strict=True):
+            if runtime.placement[index] == "device":
+                continue
+            for name, linear in entry.linears.items():
+                old = layer.get_submodule(name)
+                if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != linear.shape:
+                    raise StoreMismatchError(
+                        f"{prefix}.{name} is not a [{linear.shape[0]}, {linear.shape[1]}] linear as in the "
+                        f"Endor store {store.path}. Convert the store from this model."
+                    )
+                released = (f"{prefix}.{name}.weight",)
+                targets.append(Target(f"{prefix}.{name}", index, old, released, details={"linear": name}))
+        return runtime, targets
+
+    def create(self, runtime: EndorRuntime, target: Target) -> EndorLinear:
+        old = target.module
+        return EndorLinear(
+            target.layer, target.details["linear"], old.in_features, old.out_features, old.bias, runtime
+        )
+
+    def dense_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Each `EndorLinear`'s weight, decompressed (each layer's file read once)."""
+        layers: dict[int, dict] = {}
+        weights = {}
+        for name, module in model.named_modules():
+            if isinstance(module, EndorLinear):
+                if module.layer not in layers:
+                    layers[module.layer] = module.runtime.store.load_layer(module.layer)
+                weights[f"{name}.weight"] = decompress(layers[module.layer][module.name])
+        return weights
+
+    def restore(self, model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+        for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, EndorLinear)]:
+            linear = nn.Linear(
+                module.in_features, module.out_features, bias=module.bias is not None, device="meta"
+            )
+            linear.weight = nn.Parameter(weights[f"{name}.weight"], requires_grad=False)
+            linear.bias = module.bias
+            model.set_submodule(name, linear)
+
+
+def _decoder_weights_sha256(source: ModuleSource, model: nn.Module) -> str:
+    """sha256 of the decoder linears' weights in layout order, as `convert_endor` records it."""
+    digest = hashlib.sha256()
+    for prefix, names in endor_layout(model):
+        for name in names:
+            update_content_hash(digest, {name: source.get(f"{prefix}.{name}.weight").contiguous()})
+    return digest.hexdigest()
+
+
 @register_method("endor")
 class EndorLinear(DenseOnly, MethodModule):
     """A linear whose weight lives compressed in an `EndorRuntime`; it has no weight parameter."""
 
     OPTIONS = ("device_budget",)
+    replacer = EndorReplacer()
 
     def __init__(
         self,
@@ -314,46 +397,6 @@ class EndorLinear(DenseOnly, MethodModule):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, on={where}"
         )
-
-
-def replace_linears(
-    model: nn.Module, store: EndorStore, config: FlashConfig
-) -> tuple[EndorRuntime, list[str]]:
-    """Swap the linears of every decoder layer not mapped to the device for `EndorLinear`s.
-
-    Returns the runtime and the checkpoint names of the weights that are no longer parameters.
-    """
-    layers = decoder_layers(model)
-    mismatched = [
-        name
-        for (index, name, _), entry in zip(layers, store.layers, strict=False)
-        if entry.prefix != name or entry.index != index
-    ]
-    if len(layers) != store.num_layers or mismatched:
-        raise StoreMismatchError(
-            f"The Endor store {store.path} holds {store.num_layers} layers "
-            f"({store.layers[0].prefix}, ...), the model has {len(layers)} ({layers[0][1]}, ...)"
-            f"{'; first mismatch: ' + mismatched[0] if mismatched else ''}. "
-            "Convert the store from this model."
-        )
-    with torch.device("cpu"):  # transformers builds the model under a meta-device context
-        runtime = EndorRuntime(store, config, device_budget=config.device_budget_bytes(store.dense_nbytes()))
-    replaced = []
-    for (index, prefix, layer), entry in zip(layers, store.layers, strict=True):
-        if runtime.placement[index] == "device":
-            continue
-        for name, linear in entry.linears.items():
-            old = layer.get_submodule(name)
-            if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != linear.shape:
-                raise StoreMismatchError(
-                    f"{prefix}.{name} is not a [{linear.shape[0]}, {linear.shape[1]}] linear as in the Endor "
-                    f"store {store.path}. Convert the store from this model."
-                )
-            layer.set_submodule(
-                name, EndorLinear(index, name, old.in_features, old.out_features, old.bias, runtime)
-            )
-            replaced.append(f"{prefix}.{name}.weight")
-    return runtime, replaced
 
 
 def endor_linears(model: nn.Module) -> list[EndorLinear]:

@@ -29,7 +29,7 @@ Products run on the rows where they lie (cache slots, staging buffers), never on
 `F.linear` as the dense model computes it; a column unit (a `dip_in` or `dip_down` row, the down
 half of a bundle) is summed over by `flashlm.ops.ColumnProduct`, whose implementation is measured
 on the machine at load. At density 1.0 no sparse module is built: every method is then dense
-streaming (`flashlm.patching.module_class`).
+streaming (`flashlm.methods.mlp.module_class`).
 """
 
 from __future__ import annotations
@@ -47,19 +47,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import NeuronCache
-from ..errors import ConfigError
+from ..engine.runtime import FlashRuntime
+from ..errors import ConfigError, UnsupportedArchitectureError
 from ..ops import ColumnProduct
 from ..ops.columns import slot_dtype
 from ..store.reader import DEFAULT_MERGE_GAP_BYTES
-from .base import FlashMLP, register_method
-from .calibration import CalibrationMissingError
+from .base import register_method
+from .calibration import Calibration, CalibrationMissingError
 from .masking import magnitude_topk, threshold_mask, union_ids
+from .mlp import FlashMLP
 
 if TYPE_CHECKING:
     from ..config import FlashConfig
-    from ..engine.runtime import Fetch, FlashRuntime, LayerFetch
+    from ..engine.runtime import Fetch, LayerFetch
     from ..store import Store
-    from .calibration import Calibration
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +156,45 @@ class SparseMLP(FlashMLP):
     """Kinds whose every row is a column unit (a cache of them may hold fp32 rows, `slot_dtypes`)."""
 
     @classmethod
+    def check_store(cls, store: Store, config: FlashConfig) -> None:
+        if not store.gated:
+            raise ConfigError(
+                f"method={config.method!r} prunes the projections of a gated (SwiGLU) MLP, but "
+                f"{store.model_type}'s MLP is not gated. Use method='dense'."
+            )
+        if store.has_bias and config.density < 1:
+            raise UnsupportedArchitectureError(
+                f"method={config.method!r} does not support MLP biases ({store.model_type} has them)."
+            )
+
+    @classmethod
+    def load_calibration(cls, store: Store) -> Calibration | None:
+        return Calibration.load(store.path, store.content_sha256)
+
+    @classmethod
+    def make_runtime(cls, store: Store, config: FlashConfig, calibration: Calibration | None) -> FlashRuntime:
+        read_ahead = (cls.INPUT_KIND,) if reads_ahead(config, store, calibration) else ()
+        return FlashRuntime(store, config, cls.KINDS, read_ahead, cls.slot_dtypes(store))
+
+    @classmethod
+    def build(
+        cls,
+        layer: int,
+        runtime: FlashRuntime,
+        act: nn.Module,
+        *,
+        calibration: Calibration | None,
+        dense_class: type[nn.Module] | None,
+    ) -> SparseMLP:
+        """The module of the runtime's configured method (`build_sparse_mlp`), its column products measured
+        now, at load, rather than in the first forward."""
+        module = build_sparse_mlp(
+            runtime.config, layer, runtime, act, calibration=calibration, dense_class=dense_class
+        )
+        module.measure_products()
+        return module
+
+    @classmethod
     def slot_dtypes(cls, store: Store) -> dict[str, torch.dtype]:
         """The dtype each column kind's cache holds, measured here (`ops.columns.slot_dtype`)."""
         return {kind: slot_dtype(store.dtype, store.row_file(0, kind).width) for kind in cls.COLUMN_KINDS}
@@ -197,7 +237,7 @@ class SparseMLP(FlashMLP):
         }
         self.column_products: dict[int, ColumnProduct] = {}
         """The measured implementation of each width of column product this method computes
-        (`measure_products`, which `replace_mlps` calls at load; else measured on first use)."""
+        (`measure_products`, which `build` calls at load; else measured on first use)."""
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -575,7 +615,7 @@ def build_sparse_mlp(
     dense_class: type[nn.Module] | None = None,
 ) -> SparseMLP:
     """The module of `config.method` for one layer, its unit counts derived from `config.density`.
-    (`replace_mlps` then has it measure its column products: `SparseMLP.measure_products`.)
+    (`SparseMLP.build` then has it measure its column products: `SparseMLP.measure_products`.)
 
     Raises `CalibrationMissingError` when the method needs thresholds that were never calibrated.
     """
