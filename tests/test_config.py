@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import flashlm
 from flashlm._utils import format_bytes, parse_bytes
+from flashlm.cache.policies import POLICIES
 from flashlm.config import Budget, FlashConfig
 from flashlm.errors import ConfigError
+from flashlm.methods import METHODS
 
 
 @pytest.mark.parametrize(
@@ -104,3 +108,27 @@ def test_runtime_defaults_come_from_the_environment(monkeypatch):
     assert config.store == "/stores/x.flash"
     assert config.budget.resolve(0) == 3 * 10**9
     assert FlashConfig(memory_budget="10%").budget.fraction == pytest.approx(0.1)
+
+
+def test_an_offline_policy_is_refused_with_where_it_runs():
+    with pytest.raises(ConfigError, match="offline replay"):
+        FlashConfig(policy="belady")
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _option_row(option: str) -> str:
+    rows = [line for line in README.read_text().splitlines() if line.startswith(f"| `{option}` |")]
+    assert len(rows) == 1, f"README's options table has {len(rows)} rows for {option!r}"
+    return rows[0]
+
+
+@pytest.mark.parametrize(
+    ("option", "registry"), [("method", METHODS), ("policy", POLICIES)], ids=["method", "policy"]
+)
+def test_the_readme_names_every_registered_choice(option, registry):
+    """The docs read the same registries as the config and the CLI: a new method or policy that the
+    README's options table does not name fails here."""
+    row = _option_row(option)
+    assert [name for name in registry if f'`"{name}"`' not in row] == []

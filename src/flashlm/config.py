@@ -207,6 +207,11 @@ class FlashConfig(QuantizationConfigMixin):
         if self.policy != NO_CACHE and self.policy not in POLICIES:
             choices = ", ".join((*POLICIES.names(), NO_CACHE))
             raise ConfigError(f"Unknown policy {self.policy!r}. Available policies: {choices}.")
+        if self.policy != NO_CACHE and POLICIES[self.policy].OFFLINE:
+            raise ConfigError(
+                f"policy={self.policy!r} needs the future requests of a recorded trace: it runs only in the "
+                "offline replay (`flashlm.sim.replay`, `flashlm simulate --policy`). Pick another policy."
+            )
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ConfigError(f"window must be a positive number of tokens, got {self.window!r}.")
         if self.io_threads is not None and (not isinstance(self.io_threads, int) or self.io_threads < 1):

@@ -68,6 +68,8 @@ class EvictionPolicy(nn.Module):
     STATE: ClassVar[dict[str, int]] = {}
     EXPIRES: ClassVar[bool] = False
     """Whether `expired` can flag anything (the cache skips the check for policies that never do)."""
+    OFFLINE: ClassVar[bool] = False
+    """Whether the policy needs the future (a trace) and so runs only in the offline replay."""
 
     def __init__(self, num_units: int) -> None:
         super().__init__()
@@ -217,6 +219,7 @@ class BeladyPolicy(EvictionPolicy):
     """`next_use` of a unit no later step needs."""
 
     STATE = {"next_use": NEVER}
+    OFFLINE = True
     next_use: torch.Tensor
     use_keys: torch.Tensor
 
