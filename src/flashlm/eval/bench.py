@@ -497,8 +497,8 @@ def markdown(report: dict[str, Any]) -> str:
     if report["pending"]:
         lines.append(f"\nNot run yet (in progress or interrupted): {', '.join(report['pending'])}.")
     lines.append(
-        "\nEndor's split column shows read wait / — / decompress + compute. Tokens of `endor` (a pruned "
-        "model) are not compared with the dense model's."
+        "\nThe split column's compute includes Endor's move and decompression (its cache column is 0: it "
+        "has no cache). Tokens of `endor` (a pruned model) are not compared with the dense model's."
     )
     if "perplexity" in report:
         ppl = report["perplexity"]
