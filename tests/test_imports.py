@@ -16,7 +16,7 @@ import flashlm
 PACKAGE = Path(flashlm.__file__).parent
 LAYERS = [
     {"errors", "_version", "_utils", "_native", "registry", "arch", "data"},
-    {"store", "cache", "ops", "endor"},
+    {"store", "cache", "ops", "endor", "predictors"},
     {"engine"},
     {"methods"},
     {"config"},

@@ -49,3 +49,7 @@ class CorpusNotFoundError(FlashLMError, FileNotFoundError):
 
 class EndorFormatError(StoreCorruptError, ValueError):
     """An Endor-compressed matrix is inconsistent: its bitmap and values disagree, or it is truncated."""
+
+
+class PredictorsNotFoundError(FlashLMError, FileNotFoundError):
+    """A store has no trained activation predictors (`predictors.safetensors`) beside it yet."""
