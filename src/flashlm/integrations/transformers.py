@@ -53,6 +53,12 @@ class FlashQuantizer(HfQuantizer):
         model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | {
             rf"^{re.escape(key)}$" for key in replaced
         }
+        # flashlm's modules hold state of their own, saved beside the store (a method's predictors): not
+        # missing from the checkpoint. The loader still replaces it with placeholders; `reset_state`
+        # (after loading) reads it again.
+        model._keys_to_ignore_on_load_missing = set(model._keys_to_ignore_on_load_missing or ()) | {
+            rf"^{re.escape(key)}$" for key in _own_state_keys(model)
+        }
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -62,7 +68,8 @@ class FlashQuantizer(HfQuantizer):
 
     def get_state_dict_and_metadata(self, model):
         """The full state dict, streamed weights read back from the store: a saved checkpoint is complete."""
-        state_dict = dict(model.state_dict())
+        own = _own_state_keys(model)
+        state_dict = {key: value for key, value in model.state_dict().items() if key not in own}
         state_dict.update(dense_weights(model))
         return state_dict, {}
 
@@ -72,6 +79,15 @@ class FlashQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return False  # nothing in a flashlm model trains yet (no parameters in the streamed MLPs)
+
+
+def _own_state_keys(model) -> set[str]:
+    """State-dict keys of what flashlm's modules hold themselves (saved beside the store, not in a
+    checkpoint)."""
+    names = {id(module): name for name, module in model.named_modules()}
+    return {
+        f"{names[id(module)]}.{key}" for module in flashlm_modules(model) for key in module.own_state_keys()
+    }
 
 
 def register() -> None:

@@ -15,6 +15,7 @@ from .base import (
 from .dense import StreamingMLP
 from .endor import EndorLinear
 from .mlp import FlashMLP, module_class, streaming_mlps
+from .predictor import PredictorMLP
 from .sparse import (
     CATSMLP,
     DIPMLP,
@@ -36,6 +37,7 @@ __all__ = [
     "GLUPruningMLP",
     "GatePruningMLP",
     "MethodModule",
+    "PredictorMLP",
     "Replacer",
     "SparseMLP",
     "StreamingMLP",

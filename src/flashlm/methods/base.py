@@ -99,6 +99,11 @@ class MethodModule(nn.Module):
     def reset_state(self) -> None:
         """Refill the buffers transformers' loader replaced with placeholders after loading (none here)."""
 
+    def own_state_keys(self) -> list[str]:
+        """Keys of this module's state dict that it loads from beside the store, not from a checkpoint
+        (none here)."""
+        return []
+
 
 def flashlm_modules(model: nn.Module) -> list[MethodModule]:
     """The modules flashlm put into `model`, whatever the method, in module order."""

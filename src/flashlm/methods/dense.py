@@ -18,7 +18,7 @@ staging matrix's head and multiplies the whole matrix at once, exactly as the de
 from __future__ import annotations
 
 from time import perf_counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from ..config import FlashConfig
     from ..engine.runtime import Fetch
     from ..store import Store
-    from .calibration import Calibration
 
 
 @register_method("dense")
@@ -82,7 +81,7 @@ class StreamingMLP(DenseOnly, FlashMLP):
         return cls.kinds_for(store.gated)
 
     @classmethod
-    def make_runtime(cls, store: Store, config: FlashConfig, calibration: Calibration | None) -> FlashRuntime:
+    def make_runtime(cls, store: Store, config: FlashConfig, fitted: Any) -> FlashRuntime:
         return FlashRuntime(store, config, read_ahead=None if config.read_ahead is not False else ())
 
     @classmethod
@@ -92,7 +91,7 @@ class StreamingMLP(DenseOnly, FlashMLP):
         runtime: FlashRuntime,
         act: nn.Module,
         *,
-        calibration: Calibration | None,
+        fitted: Any,
         dense_class: type[nn.Module] | None,
     ) -> StreamingMLP:
         store = runtime.store

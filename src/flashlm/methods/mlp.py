@@ -5,7 +5,7 @@ them out again."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -17,7 +17,6 @@ from ..store import ModuleSource, SafetensorsSource, Store, add_kinds, convert, 
 from ..store.convert import layer_weights
 from ..store.location import open_or_convert
 from .base import METHODS, MethodModule, Replacer, Target, method_class
-from .calibration import Calibration
 
 if TYPE_CHECKING:
     from ..config import FlashConfig
@@ -90,9 +89,9 @@ class MLPReplacer(Replacer):
         method_class(config.method).check_store(store, config)
         cls = module_class(config)
         store = add_kinds(store, cls.store_kinds(store))
-        calibration = cls.load_calibration(store)
         with torch.device("cpu"):  # transformers builds the model under a meta-device context
-            runtime = cls.make_runtime(store, config, calibration)
+            fitted = cls.load_fitted(store)
+            runtime = cls.make_runtime(store, config, fitted)
         targets = []
         for layer, owner_name, owner in owners:
             name, identities = (owner_name, ()) if spec.owner else self._on_layer(spec, owner_name)
@@ -100,7 +99,7 @@ class MLPReplacer(Replacer):
                 "class": cls,
                 "act": getattr(owner, spec.act),
                 "dense_class": type(owner) if spec.owner else None,
-                "calibration": calibration,
+                "fitted": fitted,
             }
             released = tuple(mlp_weight_names(spec, owner_name).values())
             targets.append(Target(name, layer, owner, released, identities, details))
@@ -117,7 +116,7 @@ class MLPReplacer(Replacer):
                 target.layer,
                 runtime,
                 details["act"],
-                calibration=details["calibration"],
+                fitted=details["fitted"],
                 dense_class=details["dense_class"],
             )
 
@@ -197,12 +196,13 @@ class FlashMLP(MethodModule):
         at density 1, where the module is dense streaming)."""
 
     @classmethod
-    def load_calibration(cls, store: Store) -> Calibration | None:
-        """The calibration this module's thresholds and density split come from (None: it needs none)."""
+    def load_fitted(cls, store: Store) -> Any:
+        """What the method fitted on data and saved beside the store (DIP's calibration, the activation
+        predictors), loaded once for every layer's module; None where it needs nothing."""
         return None
 
     @classmethod
-    def make_runtime(cls, store: Store, config: FlashConfig, calibration: Calibration | None) -> FlashRuntime:
+    def make_runtime(cls, store: Store, config: FlashConfig, fitted: Any) -> FlashRuntime:
         """The runtime every layer's module of this class shares."""
         raise NotImplementedError
 
@@ -213,7 +213,7 @@ class FlashMLP(MethodModule):
         runtime: FlashRuntime,
         act: nn.Module,
         *,
-        calibration: Calibration | None,
+        fitted: Any,
         dense_class: type[nn.Module] | None,
     ) -> FlashMLP:
         """Layer `layer`'s module, its caches allocated from `runtime`'s budget plan."""

@@ -168,12 +168,12 @@ class SparseMLP(FlashMLP):
             )
 
     @classmethod
-    def load_calibration(cls, store: Store) -> Calibration | None:
+    def load_fitted(cls, store: Store) -> Calibration | None:
         return Calibration.load(store.path, store.content_sha256)
 
     @classmethod
-    def make_runtime(cls, store: Store, config: FlashConfig, calibration: Calibration | None) -> FlashRuntime:
-        read_ahead = (cls.INPUT_KIND,) if reads_ahead(config, store, calibration) else ()
+    def make_runtime(cls, store: Store, config: FlashConfig, fitted: Calibration | None) -> FlashRuntime:
+        read_ahead = (cls.INPUT_KIND,) if reads_ahead(config, store, fitted) else ()
         return FlashRuntime(store, config, cls.KINDS, read_ahead, cls.slot_dtypes(store))
 
     @classmethod
@@ -183,13 +183,13 @@ class SparseMLP(FlashMLP):
         runtime: FlashRuntime,
         act: nn.Module,
         *,
-        calibration: Calibration | None,
+        fitted: Calibration | None,
         dense_class: type[nn.Module] | None,
     ) -> SparseMLP:
         """The module of the runtime's configured method (`build_sparse_mlp`), its column products measured
         now, at load, rather than in the first forward."""
         module = build_sparse_mlp(
-            runtime.config, layer, runtime, act, calibration=calibration, dense_class=dense_class
+            runtime.config, layer, runtime, act, calibration=fitted, dense_class=dense_class
         )
         module.measure_products()
         return module

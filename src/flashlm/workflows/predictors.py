@@ -1,0 +1,60 @@
+"""Train a store's activation predictors (`flashlm train predictors`): run the dense model over a
+corpus's calibration split with hooks, label which neurons fire, train one low-rank predictor per
+layer (PowerInfer §5.1's rank growth), and save them beside the model's store, where
+`method="predictor"` finds them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..config import FlashConfig
+from ..data.corpora import corpus_tokens
+from ..data.models import model_path
+from ..errors import ConfigError
+from ..methods.mlp import open_checkpoint_store
+from ..predictors import LabelRule, Predictors, TrainOptions, collect_activations, train_predictors
+
+
+def train_store_predictors(
+    model: str | os.PathLike | None = None,
+    *,
+    corpus: str = "shakespeare",
+    tokens: int = 32768,
+    sequence_length: int = 256,
+    rule: LabelRule | None = None,
+    options: TrainOptions | None = None,
+    store: str | os.PathLike | None = None,
+    progress: bool = True,
+) -> Predictors:
+    """Train and save the predictors of `model` (a bundled model's name, a checkpoint directory, or the
+    default model) on the first `tokens` tokens of `corpus`'s calibration split, in windows of
+    `sequence_length`; returns them, their per-layer reports in `.reports`.
+
+    `rule` says what "active" means (default: exactly nonzero for ReLU-family models, the top 10% by
+    magnitude otherwise); `store` the store to save beside (default: the model's, converted if
+    missing).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if tokens < sequence_length or sequence_length < 2:
+        raise ConfigError(
+            f"tokens ({tokens}) must hold at least one window of sequence_length ({sequence_length} >= 2)."
+        )
+    path = Path(model_path(model))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = corpus_tokens(corpus, tokenizer, split="calibration")
+    if ids.numel() < tokens:
+        raise ConfigError(
+            f"The calibration split of {corpus!r} has {ids.numel()} tokens for this tokenizer, fewer than "
+            f"the {tokens} asked for: ask for fewer tokens or pick a larger corpus."
+        )
+    windows = ids[: tokens - tokens % sequence_length].view(-1, 1, sequence_length)
+    dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    samples = collect_activations(dense, list(windows), rule=rule, max_rows=tokens, progress=progress)
+    del dense
+    predictors = train_predictors(samples, options, progress=progress)
+    predictors.save(open_checkpoint_store(path, FlashConfig(store=str(store) if store else None)))
+    return predictors

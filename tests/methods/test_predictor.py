@@ -1,0 +1,129 @@
+"""`method="predictor"`: only predicted-active bundles are read; with a predictor that never misses, the
+output is the dense model's (ReLU-family activations are exactly zero where it skips); the window cache
+loads only what a token adds; bad input gets specific errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from conftest import tiny_config
+from safetensors.torch import load_file
+
+import flashlm
+from flashlm.arch import find_mlps, model_type_of, spec_for
+from flashlm.errors import ConfigError, StoreMismatchError
+from flashlm.methods import PredictorMLP
+from flashlm.patching import streaming_mlps
+from flashlm.predictors import LowRankPredictor, Predictors
+
+
+def relu_checkpoint(name: str, tmp_path) -> tuple[torch.nn.Module, object]:
+    """A tiny fp32 model with a ReLU-family activation (OPT as it is; llama with its gate's SiLU
+    swapped for ReLU, as relufication does), saved; and its directory."""
+    config = tiny_config(name)
+    if name == "llama":
+        config.hidden_act = "relu"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    path = tmp_path / f"{name}-relu"
+    model.save_pretrained(path)
+    return model, path
+
+
+def exact_predictors(model: torch.nn.Module) -> Predictors:
+    """Predictors that never miss: rank d_model, reduce = identity, expand = the projection whose sign
+    decides the activation (gate for a gated MLP, up with its bias for a plain one), threshold logit 0."""
+    spec = spec_for(model_type_of(model.config))
+    layers = []
+    for _, _, owner in find_mlps(model, spec):
+        decides = getattr(owner, spec.gate or spec.up)
+        d_ff, d_model = decides.weight.shape
+        predictor = LowRankPredictor(d_model, d_ff, d_model, threshold_logit=0.0)
+        with torch.no_grad():
+            predictor.reduce.weight.copy_(torch.eye(d_model))
+            predictor.expand.weight.copy_(decides.weight)
+            predictor.expand.bias.copy_(decides.bias if decides.bias is not None else torch.zeros(d_ff))
+        layers.append(predictor)
+    return Predictors(layers)
+
+
+def load(path, store, **options) -> torch.nn.Module:
+    config = flashlm.FlashConfig(method="predictor", store=str(store), memory_budget=10**7, **options)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+def test_a_predictor_that_never_misses_reproduces_the_dense_model(name, tmp_path):
+    model, path = relu_checkpoint(name, tmp_path)
+    store = flashlm.convert(path, tmp_path / "store", progress=False)
+    exact_predictors(model).save(store.path)
+    # density just under 1 (so the method is not dense streaming) yet never capping a token's neurons
+    d_ff = store.d_ff
+    patched = load(path, store.path, density=(d_ff - 0.4) / d_ff)
+    assert all(isinstance(m, PredictorMLP) and m.k_max == d_ff for m in streaming_mlps(patched))
+
+    ids = torch.randint(3, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+        expected = model.generate(ids, max_new_tokens=6, do_sample=False)
+        assert torch.equal(patched.generate(ids, max_new_tokens=6, do_sample=False), expected)
+    totals = flashlm.stats(patched).totals()
+    assert totals["density"] < 0.75  # ReLU on random weights: about half the neurons are zero
+    assert totals["bytes_read"] > 0
+
+    # a saved model is the dense checkpoint: the predictors stay beside the store
+    patched.save_pretrained(tmp_path / "saved")
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert not [key for key in saved if "predictor" in key]
+    assert set(saved) == set(load_file(path / "model.safetensors"))
+
+
+def test_only_predicted_bundles_are_read_and_the_window_loads_the_increment(tmp_path):
+    model, path = relu_checkpoint("llama", tmp_path)
+    store = flashlm.convert(path, tmp_path / "store", progress=False)
+    exact_predictors(model).save(store.path)
+    patched = load(path, store.path, density=0.5, policy="window", window=4)
+    module = streaming_mlps(patched)[0]
+    x = torch.randn(1, store.d_model, generator=torch.Generator().manual_seed(2))
+    predicted = module.select(x)
+    assert 0 < int(predicted.sum()) <= module.k_max == round(0.5 * store.d_ff)
+
+    ids = torch.randint(3, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        patched.generate(ids, max_new_tokens=8, do_sample=False)
+    per_step = flashlm.stats(patched).per_step()
+    decode = per_step[1:]
+    row_bytes = flashlm.Store.open(store.path).row_file(0, "bundle").row_bytes
+    # each decode token reads no more bundles than it misses, and misses fewer than it uses once the
+    # window holds the previous tokens' neurons
+    assert all(step["bytes_read"] >= step["misses"] * row_bytes for step in decode)
+    assert sum(step["misses"] for step in decode) < sum(step["hits"] + step["misses"] for step in decode)
+    assert sum(step["hits"] for step in decode) > 0
+
+
+def test_a_model_whose_activation_is_not_zero_below_zero_is_refused(tmp_path, make_tiny_checkpoint):
+    path = make_tiny_checkpoint("llama", dtype=torch.float32)  # SwiGLU: SiLU is never exactly zero
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    store = flashlm.convert(path, tmp_path / "store", progress=False)
+    exact_predictors(model).save(store.path)
+    with pytest.raises(ConfigError, match="relufy"):
+        load(path, store.path, density=0.5)
+
+
+def test_predictors_of_another_store_are_refused(tmp_path):
+    _, path = relu_checkpoint("llama", tmp_path)
+    store = flashlm.convert(path, tmp_path / "store", progress=False)
+    other_model, other_path = relu_checkpoint("llama", tmp_path / "other")
+    with torch.no_grad():
+        other_model.model.embed_tokens.weight.zero_()  # other weights, same shapes
+        for _, _, owner in find_mlps(other_model, spec_for("llama")):
+            owner.gate_proj.weight.mul_(2)
+    other_model.save_pretrained(other_path)
+    other_store = flashlm.convert(other_path, tmp_path / "other-store", progress=False)
+    exact_predictors(other_model).save(other_store.path)
+    (store.path / "predictors.safetensors").write_bytes(
+        (other_store.path / "predictors.safetensors").read_bytes()
+    )
+    with pytest.raises(StoreMismatchError):
+        load(path, store.path, density=0.5)
