@@ -109,19 +109,6 @@ class StreamingMLP(DenseOnly, FlashMLP):
             dense_class=dense_class,
         )
 
-    @torch.no_grad()
-    def reset_state(self) -> None:
-        """Refill every buffer from its source: biases from the store, empty caches.
-
-        transformers' loader replaces all non-persistent buffers with uninitialized placeholders
-        after weight loading; the quantizer calls this once loading is done.
-        """
-        super().reset_state()
-        resident = self.runtime.store.resident(self.layer)
-        for name in ("up_bias", "down_bias"):
-            if getattr(self, name) is not None:
-                getattr(self, name).copy_(resident[name])
-
     def extra_repr(self) -> str:
         capacities = ", ".join(f"{kind}={cache.capacity}" for kind, cache in self._kind_caches)
         return (

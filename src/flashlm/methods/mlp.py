@@ -251,10 +251,19 @@ class FlashMLP(MethodModule):
 
     @torch.no_grad()
     def reset_state(self) -> None:
-        """Empty the caches (transformers' loader replaces non-persistent buffers after loading)."""
+        """Refill every buffer from its source: empty caches, a plain MLP's biases from the store.
+
+        transformers' loader replaces all non-persistent buffers with uninitialized placeholders
+        after weight loading; the quantizer calls this once loading is done.
+        """
         self.runtime.drain()
         for cache in self.caches():
             cache.clear()
+        biases = [name for name in ("up_bias", "down_bias") if getattr(self, name, None) is not None]
+        if biases:
+            resident = self.runtime.store.resident(self.layer)
+            for name in biases:
+                getattr(self, name).copy_(resident[name])
 
     def counters(self) -> tuple[int, int, int]:
         """(hits, misses, evictions) summed over this module's caches."""

@@ -125,13 +125,8 @@ class PredictorMLP(FlashMLP):
 
     @torch.no_grad()
     def reset_state(self) -> None:
-        """Refill what transformers' loader replaced with placeholders: biases from the store, the
-        predictor's weights from beside it (checked against the store when the model was patched)."""
+        """Also the predictor's weights, from beside the store (checked against it at patching)."""
         super().reset_state()
-        resident = self.runtime.store.resident(self.layer)
-        for name in ("up_bias", "down_bias"):
-            if getattr(self, name) is not None:
-                getattr(self, name).copy_(resident[name])
         prefix = f"layers.{self.layer}."
         with safe_open(str(self.runtime.store.path / PREDICTORS_FILE), framework="pt", device="cpu") as saved:
             names = [name for name in saved.keys() if name.startswith(prefix)]  # noqa: SIM118 (not a dict)
