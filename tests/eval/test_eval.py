@@ -214,6 +214,8 @@ def test_evaluate_loads_and_measures(tiny_path, tiny_model, tmp_path):
         ("DIP-CA:1", {"method": "dip", "cache_aware": 1.0, "sequential_prefill": True}),
         ("dip-layer", {"method": "dip", "threshold": "layer"}),
         ("dip-global", {"method": "dip", "threshold": "global"}),
+        ("predictor", {"method": "predictor"}),
+        ("predictor-window:5", {"method": "predictor", "policy": "window", "window": 5}),
     ],
 )
 def test_parse_method_spec(spec, expected):
@@ -223,12 +225,13 @@ def test_parse_method_spec(spec, expected):
 
 
 @pytest.mark.parametrize(
-    "spec", ["", "sparse", "dip-ca:", "dip-ca:x", "dip-ca:1.5", "dip-ca:-0.1", "dip-token"]
+    "spec",
+    ["", "sparse", "dip-ca:", "dip-ca:x", "dip-ca:1.5", "dip-ca:-0.1", "dip-token", "predictor-window:0"],
 )
 def test_unknown_method_spec_lists_the_valid_forms(spec):
     with pytest.raises(ConfigError) as info:
         parse_method_spec(spec)
-    if "γ" not in str(info.value):
+    if "γ" not in str(info.value) and "window" not in str(info.value):
         assert all(form in str(info.value) for form in method_specs())
 
 
