@@ -22,7 +22,7 @@ LAYERS = [
     {"config"},
     {"patching"},
     {"integrations"},
-    {"eval", "sim", "workflows"},
+    {"eval", "sim", "workflows", "training"},
     {"cli"},
     {"__init__"},
 ]

@@ -1,0 +1,45 @@
+"""flashlm.training: recipes that fine-tune a model for sparse streaming, launchable with Accelerate.
+
+An "extra" layer: nothing in the library imports it. It builds on everything below it (`flashlm.arch`
+to find the MLPs, `flashlm.data.corpora` for text, `flashlm.eval.perplexity` to measure).
+
+- `trainer`: `Trainer` on `accelerate.Accelerator` — distillation loss (`distillation_loss`), AdamW,
+  gradient accumulation, checkpoints that survive a kill and resume to the same loss curve, a JSON
+  log per step. Runs unchanged in one process or under `accelerate launch`.
+- `data`: corpus splits packed into fixed-length training sequences; a stateless sampler.
+- `activations`: `FATReLU`, `relufy` (swap every MLP activation), `dense_activations` (swap back,
+  for an in-place teacher), `calibrate_thresholds`, exact-zero counting (`ZeroCounter`).
+- `relufy`: the relufication recipe (`python -m flashlm.training.relufy`, `flashlm train relufy`) and
+  `load_relufied(path)` for its FATReLU checkpoints.
+
+`relufy` is not imported here, so `python -m flashlm.training.relufy` runs it as `__main__` only once.
+"""
+
+from __future__ import annotations
+
+from .activations import FATReLU, ZeroCounter, calibrate_thresholds, dense_activations, relufy, zero_fractions
+from .trainer import (
+    ModelTeacher,
+    ResumeMismatchError,
+    TrainConfig,
+    Trainer,
+    TrainingError,
+    TrainResult,
+    distillation_loss,
+)
+
+__all__ = [
+    "FATReLU",
+    "ModelTeacher",
+    "ResumeMismatchError",
+    "TrainConfig",
+    "TrainResult",
+    "Trainer",
+    "TrainingError",
+    "ZeroCounter",
+    "calibrate_thresholds",
+    "dense_activations",
+    "distillation_loss",
+    "relufy",
+    "zero_fractions",
+]

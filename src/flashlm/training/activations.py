@@ -1,0 +1,330 @@
+"""ReLU / FATReLU in place of a model's MLP activation, and how many of its outputs are exactly zero.
+
+Relufication (Mirzadeh et al., "ReLU strikes back"; PowerInfer §2 and Song et al.'s FATReLU, cited by
+LLM in a flash §1 and appendix) replaces the SiLU of a SwiGLU MLP's gate, `down(act(gate x) * up x)`,
+by ReLU or by FATReLU(t) — zero below a threshold `t >= 0`, the identity above — so that most
+intermediate neurons are *exactly* zero and their up row and down column need not be read at all.
+The MLPs are found through `flashlm.arch` (`spec_for`, `find_mlps`; the activation is the MLP
+owner's `spec.act` attribute), never through a hard-coded module path, so every supported family
+works, including OPT and Falcon, whose plain MLPs have one activation after `fc1` / `dense_h_to_4h`.
+
+- `FATReLU(threshold, replaces)`: the module; it remembers which activation it replaced (an
+  `ACT2FN` name such as `"silu"`) so the dense model can be restored for distillation.
+- `relufy(model, thresholds)`: install one FATReLU per MLP (threshold 0 is ReLU) and record the
+  change in `model.config` (`hidden_act` = `"relu"` or `"fatrelu"`, plus a `relufication` dict).
+- `dense_activations(model)`: a context manager that swaps the original activations back, so a LoRA
+  student computes its dense teacher's logits with the same weights (adapters disabled as well).
+- `calibrate_thresholds(model, ids, target)`: per-layer thresholds at the `target` quantile of the
+  gate pre-activations on calibration text, so each layer starts with `target` of its outputs zero.
+- `ZeroCounter` / `zero_fractions`: forward hooks on the activation modules that count exact zeros
+  per layer, on held-out text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..arch import MLPSpec, find_mlps, model_type_of, spec_for
+from ..errors import ConfigError
+
+RELU = "relu"
+FATRELU = "fatrelu"
+CONFIG_FIELD = "relufication"
+"""The `config.json` field recording a relufication: activation, per-layer thresholds, replaced act."""
+
+
+class FATReLU(nn.Module):
+    """`x` where `x > threshold`, exactly `0` elsewhere (threshold >= 0; threshold 0 is ReLU).
+
+    The zero is a true +0.0 (`torch.where`, not a product that could give -0.0), so "exactly zero"
+    counts are unambiguous. `threshold` is a buffer that is not persistent: the checkpoint records
+    the thresholds in `config.json` (`relufication.thresholds`), keeping the weights file the
+    architecture's ordinary tensors. `replaces` names the activation it took the place of in
+    `transformers.activations.ACT2FN`, which `dense_activations` puts back.
+    """
+
+    def __init__(self, threshold: float = 0.0, replaces: str = "silu") -> None:
+        super().__init__()
+        threshold = float(threshold)
+        if not threshold >= 0:
+            raise ConfigError(f"A FATReLU threshold must be >= 0 (0 is ReLU), got {threshold}.")
+        self.register_buffer("threshold", torch.tensor(threshold), persistent=False)
+        self.replaces = replaces
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > self.threshold, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    def extra_repr(self) -> str:
+        return f"threshold={self.threshold.item():.6g}, replaces={self.replaces!r}"
+
+
+@dataclass(frozen=True)
+class Activation:
+    """One MLP's activation: its layer, the module that owns it and the attribute that holds it."""
+
+    layer: int
+    owner_name: str
+    owner: nn.Module
+    attribute: str
+
+    @property
+    def module(self) -> nn.Module:
+        return getattr(self.owner, self.attribute)
+
+    @property
+    def name(self) -> str:
+        return f"{self.owner_name}.{self.attribute}" if self.owner_name else self.attribute
+
+
+def _config_of(model: nn.Module) -> Any:
+    """The Hugging Face config of `model`, through DDP / Accelerate / PEFT wrappers."""
+    inner = model
+    while not hasattr(inner, "config") and hasattr(inner, "module"):
+        inner = inner.module
+    config = getattr(inner, "config", None)
+    if config is None:
+        raise ConfigError(f"{type(model).__name__} has no Hugging Face config: relufy a transformers model.")
+    return config
+
+
+def _spec(model: nn.Module) -> MLPSpec:
+    return spec_for(model_type_of(_config_of(model)))
+
+
+def activations(model: nn.Module) -> list[Activation]:
+    """Every MLP activation of `model`, by layer (found with `flashlm.arch.find_mlps`)."""
+    spec = _spec(model)
+    found = [
+        Activation(index, name, owner, spec.act)
+        for index, name, owner in find_mlps(model, spec)
+        if hasattr(owner, spec.act)
+    ]
+    if not found:
+        raise ConfigError(
+            f"No MLP of {type(model).__name__} has an activation attribute {spec.act!r}: was it patched "
+            "by flashlm (whose modules hold the activation themselves)? Relufy the plain model."
+        )
+    modules = [id(a.module) for a in found]
+    if len(set(modules)) != len(modules):
+        raise ConfigError(
+            "Several MLPs share one activation module, so per-layer thresholds and zero counts cannot "
+            "be told apart. Build the model so that each MLP owns its activation."
+        )
+    return found
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def _activation_name(model: nn.Module) -> str:
+    """The config's name of the MLP activation (`"silu"`, `"gelu_pytorch_tanh"`, ...)."""
+    spec = _spec(model)
+    return getattr(_text_config(_config_of(model)), spec.act_config_key)
+
+
+def _thresholds(thresholds: float | Sequence[float], layers: int) -> list[float]:
+    if isinstance(thresholds, (int, float)) and not isinstance(thresholds, bool):
+        values = [float(thresholds)] * layers
+    else:
+        values = [float(t) for t in thresholds]
+    if len(values) != layers:
+        raise ConfigError(f"Expected one threshold per MLP layer ({layers}), got {len(values)}.")
+    bad = [t for t in values if not t >= 0]
+    if bad:
+        raise ConfigError(f"FATReLU thresholds must be >= 0 (0 is ReLU), got {bad[:3]}.")
+    return values
+
+
+def relufy(model: nn.Module, thresholds: float | Sequence[float] = 0.0) -> list[str]:
+    """Replace every MLP activation of `model` by FATReLU (threshold 0: ReLU), in place.
+
+    `thresholds` is one value for every layer or one per layer. Nothing else changes: no weight, no
+    other module. `model.config` records the change (the family's activation key — `hidden_act` for
+    Llama — becomes `"relu"` or `"fatrelu"`; `config.relufication` holds the activation, the
+    thresholds and the replaced activation's name), so `save_pretrained` describes the new model.
+    Relufying a relufied model only changes its thresholds. Returns the replaced modules' names.
+    """
+    from transformers.activations import ACT2FN
+
+    found = activations(model)
+    values = _thresholds(thresholds, len(found))
+    config = _config_of(model)
+    record = getattr(config, CONFIG_FIELD, None)
+    replaces = record["replaces"] if isinstance(record, dict) else _activation_name(model)
+    if replaces not in ACT2FN:
+        raise ConfigError(
+            f"The model's activation {replaces!r} is not one transformers knows (ACT2FN), so it could "
+            "not be restored for distillation. Set the config's activation name correctly first."
+        )
+    for act, threshold in zip(found, values, strict=True):
+        setattr(act.owner, act.attribute, FATReLU(threshold, replaces=replaces))
+    activation = RELU if all(t == 0 for t in values) else FATRELU
+    setattr(_text_config(config), _spec(model).act_config_key, activation)
+    setattr(config, CONFIG_FIELD, {"activation": activation, "thresholds": values, "replaces": replaces})
+    return [act.name for act in found]
+
+
+def is_relufied(model: nn.Module) -> bool:
+    """Whether every MLP activation of `model` is a FATReLU."""
+    return all(isinstance(act.module, FATReLU) for act in activations(model))
+
+
+@contextlib.contextmanager
+def dense_activations(model: nn.Module) -> Iterator[None]:
+    """Inside the block, every FATReLU of `model` is back to the activation it replaced.
+
+    The weights are untouched, so for a LoRA student (adapters disabled too) the model inside is the
+    dense teacher; the FATReLU modules, with their thresholds, come back on exit, even on error.
+    """
+    from transformers.activations import ACT2FN
+
+    swapped = []
+    try:
+        for act in activations(model):
+            module = act.module
+            if isinstance(module, FATReLU):
+                setattr(act.owner, act.attribute, ACT2FN[module.replaces])
+                swapped.append((act, module))
+        yield
+    finally:
+        for act, module in swapped:
+            setattr(act.owner, act.attribute, module)
+
+
+def _windows(ids: torch.Tensor, context_length: int, num_tokens: int | None) -> torch.Tensor:
+    ids = ids.reshape(-1)
+    usable = ids.numel() if num_tokens is None else min(ids.numel(), num_tokens)
+    count = usable // context_length
+    if count < 1:
+        raise ConfigError(
+            f"Need at least one window of {context_length} tokens, got {usable}: use more text or a "
+            "shorter context."
+        )
+    return ids[: count * context_length].reshape(count, context_length)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
+@torch.no_grad()
+def calibrate_thresholds(
+    model: nn.Module,
+    ids: torch.Tensor,
+    target: float,
+    *,
+    context_length: int = 256,
+    num_tokens: int | None = 4096,
+    sample: int = 1 << 20,
+) -> list[float]:
+    """Per-layer FATReLU thresholds that zero a `target` fraction of each layer's activations on `ids`.
+
+    The threshold of a layer is the `target` quantile of its activation's inputs (the gate
+    pre-activations) over the windows of `ids`, floored at 0 (a layer whose inputs are already more
+    than `target` negative gets ReLU). A uniform threshold would not do: SmolLM2's gate inputs have
+    their 80th percentile anywhere between 0.1 and 1.0 depending on the layer. About `sample` values
+    per layer (a seeded random subset) enter the quantile, bounding the memory.
+    """
+    if not 0 < target < 1:
+        raise ConfigError(f"The target zero fraction must be in (0, 1), got {target}.")
+    found = activations(model)
+    windows = _windows(ids, context_length, num_tokens)
+    per_call = -(-sample // windows.shape[0])
+    generator = torch.Generator().manual_seed(0)
+    collected: dict[int, list[torch.Tensor]] = {act.layer: [] for act in found}
+
+    def keep(layer: int, values: torch.Tensor) -> None:
+        values = values.detach().float().flatten().cpu()
+        if values.numel() > per_call:  # a random subset: a stride could alias onto a few neurons
+            values = values[torch.randint(values.numel(), (per_call,), generator=generator)]
+        collected[layer].append(values)
+
+    handles = [
+        act.module.register_forward_hook(lambda module, args, output, layer=act.layer: keep(layer, args[0]))
+        for act in found
+    ]
+    was_training = model.training
+    model.eval()
+    try:
+        device = _device_of(model)
+        for window in windows:
+            model(input_ids=window.unsqueeze(0).to(device), use_cache=False)
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    thresholds = []
+    for act in found:
+        values = torch.cat(collected[act.layer])
+        k = min(values.numel(), max(1, round(target * values.numel())))
+        thresholds.append(max(0.0, torch.kthvalue(values.cpu(), k).values.item()))
+    return thresholds
+
+
+class ZeroCounter:
+    """Counts, per layer, the exact zeros among the MLP activations' outputs while attached.
+
+    `with ZeroCounter(model) as counter: model(...)`; then `counter.fractions()` (per layer) and
+    `counter.overall()` (every output of every layer). For a gated MLP an exact zero of the gate's
+    activation makes the neuron's product with `up x` zero, so the neuron's up row and down column
+    are not needed for that token: this is the sparsity the streaming runtime can exploit.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.zeros: dict[int, int] = {}
+        self.total: dict[int, int] = {}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> ZeroCounter:
+        for act in activations(self.model):
+            self.zeros[act.layer] = 0
+            self.total[act.layer] = 0
+            self._handles.append(act.module.register_forward_hook(self._hook(act.layer)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, layer: int):
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            self.zeros[layer] += int((output == 0).sum())
+            self.total[layer] += output.numel()
+
+        return hook
+
+    def fractions(self) -> list[float]:
+        """Exact-zero fraction of each layer's activation outputs, by layer."""
+        return [self.zeros[k] / self.total[k] if self.total[k] else float("nan") for k in sorted(self.total)]
+
+    def overall(self) -> float:
+        total = sum(self.total.values())
+        return sum(self.zeros.values()) / total if total else float("nan")
+
+
+@torch.no_grad()
+def zero_fractions(
+    model: nn.Module, ids: torch.Tensor, *, context_length: int = 512, num_tokens: int | None = 4096
+) -> tuple[float, list[float]]:
+    """(overall, per layer) exact-zero fraction of the MLP activations over windows of `ids`."""
+    was_training = model.training
+    model.eval()
+    device = _device_of(model)
+    try:
+        with ZeroCounter(model) as counter:
+            for window in _windows(ids, context_length, num_tokens):
+                model(input_ids=window.unsqueeze(0).to(device), use_cache=False)
+    finally:
+        model.train(was_training)
+    return counter.overall(), counter.fractions()

@@ -1,0 +1,726 @@
+"""Relufication: a SwiGLU model made ReLU / FATReLU-sparse, fine-tuned by distillation from itself.
+
+    python -m flashlm.training.relufy --out OUT [--model smollm2-135m] [--steps 500] ...
+    accelerate launch [--multi_gpu --num_processes 2] -m flashlm.training.relufy --out OUT ...
+    flashlm train relufy --out OUT ...
+
+The recipe (LLM in a flash §1 and appendix C.4 "Relufication", which adds the distillation loss;
+PowerInfer; Mirzadeh et al.), in steps:
+
+1. Load the dense model (float32 for training) and pack the `"calibration"` split of the training
+   corpora into `seq_len`-token rows (`flashlm.training.data`).
+2. Pick the thresholds: ReLU (0), one FATReLU threshold for every layer (`threshold`), or, by
+   default, per-layer thresholds at the `target_zeros` quantile of each layer's gate pre-activations
+   on calibration text (`activations.calibrate_thresholds`). They are kept in `OUT/thresholds.json`,
+   so a resumed run uses exactly the same ones.
+3. Replace every MLP activation by FATReLU (`activations.relufy`), found through `flashlm.arch`.
+4. Fine-tune with distillation to the dense model's logits (`trainer.Trainer`): LoRA (rank 32 on
+   every decoder linear, as the DIP paper's recovery adapters) or every weight (`mode="full"`).
+   The teacher, for LoRA, is the student itself with its adapters disabled and its activations
+   swapped back (`dense_activations`): the exact dense model, without a second copy in memory. A
+   full fine-tune changes the weights the teacher would share, so it loads a frozen copy instead.
+5. Merge the adapters, save a Hugging Face checkpoint (safetensors, in the source checkpoint's dtype
+   unless told otherwise) to `OUT/model`, written under a temporary name and renamed.
+6. Measure, on the `"test"` split of the evaluation corpora: perplexity (`flashlm.eval.perplexity`)
+   and the exact-zero fraction of the activations (forward hooks), for the dense model, the
+   relufied model before fine-tuning, and the saved model reloaded from disk. `OUT/report.json`.
+
+Loading the result: a ReLU checkpoint (every threshold 0) has `hidden_act="relu"` and loads with
+plain `AutoModelForCausalLM.from_pretrained`. transformers has no thresholded ReLU among its
+activations (`ACT2FN`), so a FATReLU checkpoint says `hidden_act="fatrelu"` — plain
+`from_pretrained` then fails loudly (`KeyError: 'fatrelu'`) instead of silently loading a different
+model — and loads with `load_relufied(path)`, which reads the thresholds from `config.json`
+(`relufication`) and installs the FATReLU modules; its logits equal the trained model's exactly.
+
+`OUT/train/` holds the trainer's `log.jsonl` (loss per step) and checkpoints: the same command run
+again after a kill resumes from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError, FlashLMError
+from .activations import (
+    CONFIG_FIELD,
+    FATRELU,
+    RELU,
+    ZeroCounter,
+    calibrate_thresholds,
+    dense_activations,
+    relufy,
+)
+from .trainer import TrainConfig, TrainingError
+
+MODEL_DIR = "model"
+TRAIN_DIR = "train"
+REPORT_NAME = "report.json"
+THRESHOLDS_NAME = "thresholds.json"
+RECORD_NAME = "relufication.json"
+"""Beside the saved checkpoint's config.json: how it was made and what was measured."""
+
+DEFAULT_TRAIN_CORPORA = ("shakespeare", "jargon", "debian-reference")
+DEFAULT_EVAL_CORPORA = ("shakespeare", "jargon")
+
+
+class NotRelufiedError(TrainingError, ValueError):
+    """`load_relufied` was given a checkpoint that relufication did not write."""
+
+
+def default_lr(mode: str) -> float:
+    """The peak learning rate the recipe uses unless told: adapters need a larger one than full weights.
+
+    On SmolLM2 (40-step pilots, FATReLU at 85% zeros, 1024 tokens a step), full fine-tuning at 5e-4
+    recovered faster than at 2e-4, and LoRA (rank 32) at 1e-3 about as fast per second as full at 2e-4.
+    """
+    return 1e-3 if mode == "lora" else 5e-4
+
+
+@dataclass(frozen=True)
+class RelufyOptions:
+    """The recipe's choices (the trainer's are a `TrainConfig`).
+
+    `activation="relu"` uses threshold 0 everywhere; `"fatrelu"` uses `threshold` for every layer if
+    given, else per-layer thresholds calibrated to `target_zeros`. `teacher=None` picks `"shared"`
+    for LoRA and `"copy"` for a full fine-tune (the only valid one there). `save_dtype="auto"` saves
+    in the source checkpoint's dtype. Evaluation runs in `eval_dtype` for every model compared.
+    """
+
+    output_dir: str | os.PathLike
+    model: str | os.PathLike | None = None
+    activation: Literal["relu", "fatrelu"] = FATRELU
+    threshold: float | None = None
+    target_zeros: float | None = 0.82
+    threshold_tokens: int = 4096
+    mode: Literal["lora", "full"] = "lora"
+    lora_rank: int = 32
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_targets: Literal["all", "mlp"] = "all"
+    teacher: Literal["shared", "copy"] | None = None
+    corpora: tuple[str, ...] = DEFAULT_TRAIN_CORPORA
+    seq_len: int = 128
+    mixed_precision: Literal["no", "bf16"] = "no"
+    save_dtype: str = "auto"
+    evaluate: bool = True
+    eval_corpora: tuple[str, ...] = DEFAULT_EVAL_CORPORA
+    eval_tokens: int = 4096
+    eval_context: int = 512
+    eval_dtype: str = "float32"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.activation not in (RELU, FATRELU):
+            raise ConfigError(f"activation must be 'relu' or 'fatrelu', got {self.activation!r}.")
+        if self.activation == RELU and self.threshold not in (None, 0, 0.0):
+            raise ConfigError("A ReLU has threshold 0: use activation='fatrelu' for a threshold.")
+        if self.threshold is not None and not self.threshold >= 0:
+            raise ConfigError(f"The FATReLU threshold must be >= 0, got {self.threshold}.")
+        if self.activation == FATRELU and self.threshold is None and self.target_zeros is None:
+            raise ConfigError("FATReLU needs a threshold or a target zero fraction (target_zeros).")
+        if self.target_zeros is not None and not 0 < self.target_zeros < 1:
+            raise ConfigError(f"target_zeros must be in (0, 1), got {self.target_zeros}.")
+        if self.mode not in ("lora", "full"):
+            raise ConfigError(f"mode must be 'lora' or 'full', got {self.mode!r}.")
+        if self.mode == "full" and self.teacher == "shared":
+            raise ConfigError(
+                "A full fine-tune changes the weights a shared teacher would use, so it would no longer be "
+                "the dense model: use teacher='copy' (a frozen second copy) or mode='lora'."
+            )
+        if self.teacher not in (None, "shared", "copy"):
+            raise ConfigError(f"teacher must be 'shared' or 'copy', got {self.teacher!r}.")
+        if self.lora_rank < 1:
+            raise ConfigError(f"lora_rank must be >= 1, got {self.lora_rank}.")
+        if self.lora_targets not in ("all", "mlp"):
+            raise ConfigError(f"lora_targets must be 'all' or 'mlp', got {self.lora_targets!r}.")
+        if self.seq_len < 2:
+            raise ConfigError(f"seq_len must be >= 2, got {self.seq_len}.")
+        for name in (self.eval_dtype, *(() if self.save_dtype == "auto" else (self.save_dtype,))):
+            if not isinstance(getattr(torch, name, None), torch.dtype):
+                raise ConfigError(f"{name!r} is not a torch dtype (use float32, bfloat16 or float16).")
+
+    @property
+    def teacher_kind(self) -> str:
+        return self.teacher or ("shared" if self.mode == "lora" else "copy")
+
+
+@dataclass
+class RelufyReport:
+    """What `run` did and measured; `to_dict()` is `OUT/report.json`."""
+
+    model: str
+    output_dir: str
+    saved: str
+    options: dict[str, Any]
+    thresholds: list[float]
+    steps: int
+    start_step: int
+    train_seconds: float
+    total_seconds: float
+    tokens_per_step: int
+    first_loss: float
+    final_loss: float
+    reload_exact: bool | None
+    measurements: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading and saving
+# --------------------------------------------------------------------------------------------------
+
+
+def load_relufied(path: str | os.PathLike, *, dtype: torch.dtype | None = None, **kwargs: Any) -> nn.Module:
+    """A relufied checkpoint (saved by this recipe) as a model with its FATReLU modules, eval mode.
+
+    transformers cannot build a thresholded ReLU from `hidden_act`, so the config is read first, its
+    activation key set to `"relu"` for construction, and `relufy` then installs FATReLU with the
+    per-layer thresholds from `config.relufication`; the weights are the checkpoint's, untouched.
+    `kwargs` go to `from_pretrained`. Raises `NotRelufiedError` for a checkpoint without that record.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..arch import model_type_of, spec_for
+
+    config = AutoConfig.from_pretrained(path)
+    record = getattr(config, CONFIG_FIELD, None)
+    if not isinstance(record, dict) or "thresholds" not in record:
+        raise NotRelufiedError(
+            f"{path} has no '{CONFIG_FIELD}' record in its config.json, so it was not written by "
+            "flashlm.training.relufy: load it with AutoModelForCausalLM.from_pretrained."
+        )
+    spec = spec_for(model_type_of(config))
+    text_config = config.get_text_config()
+    setattr(text_config, spec.act_config_key, RELU)
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
+    relufy(model, record["thresholds"])
+    return model.eval()
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _source_dtype(path: Path) -> torch.dtype:
+    config = json.loads((path / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    value = getattr(torch, str(name).removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) else torch.float32
+
+
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model` with its floating-point parameters (not its buffers) in `dtype`, in place.
+
+    `model.to(dtype)` would also cast buffers such as the rotary embedding's `inv_freq`, which
+    `from_pretrained(..., dtype=dtype)` keeps in float32: the model would then not be the one its
+    saved checkpoint loads as.
+    """
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            parameter.data = parameter.data.to(dtype)
+    return model
+
+
+def save_relufied(
+    model: nn.Module, out_dir: str | os.PathLike, *, tokenizer: Any = None, record: dict | None = None
+) -> Path:
+    """`model.save_pretrained` (safetensors) into a temporary sibling of `out_dir`, renamed when complete.
+
+    An existing `out_dir` is replaced only once the new checkpoint is whole. `record` is written as
+    `relufication.json` beside `config.json`.
+    """
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if record is not None:
+        (tmp / RECORD_NAME).write_text(json.dumps(record, indent=2, default=str))
+    for file in tmp.iterdir():
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+    old = out_dir.with_name(f".{out_dir.name}.old")
+    if out_dir.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    if old.exists():
+        shutil.rmtree(old)
+    return out_dir
+
+
+# --------------------------------------------------------------------------------------------------
+# Measurements
+# --------------------------------------------------------------------------------------------------
+
+
+def measure(
+    model: nn.Module,
+    tokenizer: Any,
+    corpora: Sequence[str],
+    *,
+    num_tokens: int = 4096,
+    context_length: int = 512,
+    progress: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """Perplexity and exact-zero fraction of the MLP activations on the `"test"` split of each corpus.
+
+    One pass per corpus: `flashlm.eval.perplexity.perplexity` with `ZeroCounter`'s hooks attached, so
+    both numbers come from the same `num_tokens` tokens (windows of `context_length`).
+    """
+    from ..data.corpora import corpus_tokens
+    from ..eval.perplexity import perplexity
+
+    results = {}
+    for name in corpora:
+        ids = corpus_tokens(name, tokenizer, split="test")
+        with ZeroCounter(model) as counter:
+            result = perplexity(
+                model, ids, context_length=context_length, num_tokens=num_tokens, progress=progress
+            )
+        results[name] = {
+            "perplexity": result.perplexity,
+            "nll": result.nll,
+            "tokens": result.tokens,
+            "zero_fraction": counter.overall(),
+            "zero_fraction_per_layer": counter.fractions(),
+        }
+    return results
+
+
+def format_report(report: RelufyReport) -> str:
+    """The measurements as a table: perplexity and zero fraction per model and corpus."""
+    lines = [
+        f"model        {report.model}",
+        f"saved        {report.saved}",
+        f"training     {report.steps} steps ({report.start_step} before this run), "
+        f"{report.tokens_per_step} tokens/step, {report.train_seconds:.0f} s this run, "
+        f"loss {report.first_loss:.4f} -> {report.final_loss:.4f}",
+        f"thresholds   min {min(report.thresholds):.3g}, max {max(report.thresholds):.3g} "
+        f"({report.options['activation']})",
+        f"reload exact {report.reload_exact}",
+    ]
+    stages = list(report.measurements)
+    corpora = list(next(iter(report.measurements.values()), {}))
+    if corpora:
+        lines.append("")
+        lines.append(f"{'stage':<22} {'corpus':<14} {'perplexity':>11} {'vs dense':>9} {'zeros':>7}")
+        for stage in stages:
+            for corpus in corpora:
+                m = report.measurements[stage][corpus]
+                dense = report.measurements.get("dense", {}).get(corpus, {}).get("perplexity", math.nan)
+                lines.append(
+                    f"{stage:<22} {corpus:<14} {m['perplexity']:>11.3f} "
+                    f"{m['perplexity'] / dense - 1:>+9.1%} {m['zero_fraction']:>7.1%}"
+                )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# The recipe
+# --------------------------------------------------------------------------------------------------
+
+
+def _lora_targets(model: nn.Module, which: str) -> list[str]:
+    """Qualified names of the linears LoRA adapts: every decoder linear, or the MLP's projections."""
+    from ..arch import decoder_layers, find_mlps, layer_linears, model_type_of, spec_for
+
+    if which == "all":
+        return [
+            f"{name}.{linear}" for _, name, layer in decoder_layers(model) for linear in layer_linears(layer)
+        ]
+    spec = spec_for(model_type_of(model.config))
+    return [
+        f"{name}.{projection}" if name else projection
+        for _, name, _ in find_mlps(model, spec)
+        for projection in (spec.down, *spec.input_projections)
+    ]
+
+
+def _thresholds(
+    options: RelufyOptions, model: nn.Module, sequences: torch.Tensor, accelerator: Any
+) -> list[float]:
+    """The thresholds of this run: reused from `OUT/thresholds.json` when a previous start wrote them."""
+    from accelerate.utils import broadcast_object_list
+
+    from .activations import activations
+
+    path = Path(options.output_dir) / THRESHOLDS_NAME
+    layers = len(activations(model))
+    if options.activation == RELU:
+        return [0.0] * layers
+    if options.threshold is not None:
+        return [float(options.threshold)] * layers
+    holder: list[Any] = [None]
+    if accelerator.is_main_process:
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            if saved.get("target_zeros") == options.target_zeros and len(saved["thresholds"]) == layers:
+                holder[0] = saved["thresholds"]
+        if holder[0] is None:
+            ids = sequences.reshape(-1)[: options.threshold_tokens]
+            holder[0] = calibrate_thresholds(
+                model,
+                ids,
+                options.target_zeros,
+                context_length=options.seq_len,
+                num_tokens=options.threshold_tokens,
+            )
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(
+                json.dumps({"target_zeros": options.target_zeros, "thresholds": holder[0]}, indent=2)
+            )
+            os.replace(tmp, path)
+    if accelerator.num_processes > 1:
+        broadcast_object_list(holder)
+    return [float(t) for t in holder[0]]
+
+
+def run(
+    options: RelufyOptions,
+    train: TrainConfig | None = None,
+    *,
+    on_step: Callable[[int, dict[str, Any]], None] | None = None,
+) -> RelufyReport:
+    """Relufy, fine-tune, save and measure (see the module docstring). Every process calls it.
+
+    `train.output_dir` is ignored: the trainer writes to `OUT/train`. `on_step(step, record)` is
+    called after each optimizer step (`Trainer.train`). Only the main process measures, saves and
+    returns a complete report; the others return one without measurements.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..data.models import model_path
+    from .data import corpus_sequences
+    from .trainer import ModelTeacher, Trainer, make_accelerator
+
+    started = time.perf_counter()
+    out = Path(options.output_dir)
+    if train is None:
+        train = TrainConfig(output_dir=out, steps=500, lr=default_lr(options.mode), warmup_steps=20)
+    train = TrainConfig(**{**asdict(train), "output_dir": out / TRAIN_DIR})
+    accelerator = make_accelerator(options.mixed_precision)
+    main = accelerator.is_main_process
+
+    def say(message: str) -> None:  # progress goes to stderr: stdout carries the report alone
+        if main:
+            print(message, file=sys.stderr, flush=True)
+
+    with accelerator.main_process_first():  # convert the bundled model and tokenize the corpora once
+        path = model_path(options.model, progress=options.progress and main)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        sequences = corpus_sequences(options.corpora, tokenizer, options.seq_len)
+        if options.evaluate and main:
+            from ..data.corpora import corpus_tokens
+
+            for name in options.eval_corpora:
+                corpus_tokens(name, tokenizer, split="test")
+    say(
+        f"training on {sequences.shape[0]} sequences of {options.seq_len} tokens "
+        f"({', '.join(options.corpora)})"
+    )
+    from accelerate.utils import set_seed
+
+    set_seed(train.seed)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    eval_dtype = _dtype(options.eval_dtype)
+    measurements: dict[str, dict[str, Any]] = {}
+
+    def evaluate(stage: str, candidate: nn.Module) -> None:
+        if not (options.evaluate and main):
+            return
+        say(f"measuring {stage} ...")
+        if next(candidate.parameters()).dtype != eval_dtype:  # measure a cast copy; keep the original
+            candidate = cast_parameters(copy.deepcopy(candidate), eval_dtype)
+        measurements[stage] = measure(
+            candidate,
+            tokenizer,
+            options.eval_corpora,
+            num_tokens=options.eval_tokens,
+            context_length=options.eval_context,
+            progress=options.progress,
+        )
+
+    evaluate("dense", model)
+    thresholds = _thresholds(options, model, sequences, accelerator)
+    relufy(model, thresholds)
+    evaluate("relufied, not trained", model)
+    accelerator.wait_for_everyone()
+
+    set_seed(train.seed)  # the adapters' initialization does not depend on what was measured
+    if options.mode == "lora":
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError as exc:
+            raise TrainingError(
+                "mode='lora' needs the peft package: pip install 'flashlm[training]' (or train every "
+                "weight with --mode full)."
+            ) from exc
+
+        lora = LoraConfig(
+            r=options.lora_rank,
+            lora_alpha=options.lora_alpha,
+            lora_dropout=options.lora_dropout,
+            target_modules=_lora_targets(model, options.lora_targets),
+            bias="none",
+        )
+        student = get_peft_model(model, lora)
+    else:
+        student = model
+        for parameter in student.parameters():
+            parameter.requires_grad_(True)
+    if options.teacher_kind == "shared":
+        teacher = ModelTeacher(student, (student.disable_adapter, lambda: dense_activations(student)))
+    else:
+        dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(accelerator.device).eval()
+        dense.requires_grad_(False)
+        teacher = ModelTeacher(dense)
+    extra = {
+        "model": str(path),
+        "recipe": {k: v for k, v in asdict(options).items() if k not in _RUNTIME_OPTIONS},
+        "thresholds": thresholds,
+    }
+    trainer = Trainer(
+        student, sequences, train, teacher=teacher, accelerator=accelerator, fingerprint_extra=extra
+    )
+    result = trainer.train(on_step=on_step)
+    accelerator.wait_for_everyone()
+
+    trained = trainer.unwrapped()
+    if options.mode == "lora":
+        trained = trained.merge_and_unload()
+    save_dtype = _source_dtype(path) if options.save_dtype == "auto" else _dtype(options.save_dtype)
+    trained = cast_parameters(trained, save_dtype).eval()
+    tokens_per_step = train.batch_size * train.grad_accum * accelerator.num_processes * options.seq_len
+    losses = result.losses
+    report = RelufyReport(
+        model=str(path),
+        output_dir=str(out),
+        saved=str(out / MODEL_DIR),
+        options={**asdict(options), "train": train.trajectory()},
+        thresholds=thresholds,
+        steps=train.steps,
+        start_step=result.start_step,
+        train_seconds=result.seconds,
+        total_seconds=0.0,
+        tokens_per_step=tokens_per_step,
+        first_loss=losses[0]["loss"] if losses else math.nan,
+        final_loss=result.final_loss,
+        reload_exact=None,
+    )
+    if main:
+        saved = save_relufied(trained, out / MODEL_DIR, tokenizer=tokenizer, record=_record(report))
+        reloaded = load_relufied(saved, dtype=save_dtype)
+        report.reload_exact = _same_logits(trained, reloaded, sequences[0, : min(64, options.seq_len)])
+        if not report.reload_exact:
+            raise TrainingError(
+                f"The checkpoint saved to {saved} does not reproduce the trained model's logits; it is not "
+                "safe to use. Please report this with the command that produced it."
+            )
+        del trained
+        evaluate("relufied, trained", reloaded)
+        report.measurements = measurements
+        report.total_seconds = time.perf_counter() - started
+        (out / REPORT_NAME).write_text(json.dumps(report.to_dict(), indent=2, default=str))
+        (saved / RECORD_NAME).write_text(json.dumps(_record(report), indent=2, default=str))
+    accelerator.wait_for_everyone()
+    return report
+
+
+_RUNTIME_OPTIONS = (
+    "output_dir",
+    "evaluate",
+    "eval_corpora",
+    "eval_tokens",
+    "eval_context",
+    "eval_dtype",
+    "progress",
+    "save_dtype",
+)
+"""RelufyOptions that do not change training, left out of the run's fingerprint."""
+
+
+def _record(report: RelufyReport) -> dict[str, Any]:
+    return {k: v for k, v in report.to_dict().items() if k != "output_dir"}
+
+
+@torch.no_grad()
+def _same_logits(a: nn.Module, b: nn.Module, ids: torch.Tensor) -> bool:
+    window = ids.reshape(1, -1)
+    return torch.equal(
+        a(input_ids=window, use_cache=False).logits, b(input_ids=window, use_cache=False).logits
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def build_parser(prog: str = "python -m flashlm.training.relufy") -> argparse.ArgumentParser:
+    """The recipe's arguments (shared by `python -m`, `accelerate launch -m` and `flashlm train relufy`)."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Relufy a SwiGLU model (ReLU / FATReLU in place of the MLP activation), fine-tune it by "
+        "distillation from the dense model, save it and measure sparsity and perplexity.",
+    )
+    p.add_argument(
+        "--out", required=True, help="output directory: train/ (log, checkpoints), model/, report.json"
+    )
+    p.add_argument(
+        "--model", default=None, help="bundled model name or checkpoint directory (default: smollm2-135m)"
+    )
+    p.add_argument("--activation", choices=(RELU, FATRELU), default=FATRELU, help="default: fatrelu")
+    p.add_argument("--threshold", type=float, default=None, help="one FATReLU threshold for every layer")
+    p.add_argument(
+        "--target-zeros",
+        type=float,
+        default=0.82,
+        help="FATReLU without --threshold: per-layer thresholds zeroing this fraction of each layer's "
+        "activations on calibration text (default: 0.82)",
+    )
+    p.add_argument(
+        "--mode", choices=("lora", "full"), default="lora", help="fine-tune LoRA adapters or every weight"
+    )
+    p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument("--lora-alpha", type=float, default=32.0)
+    p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument(
+        "--lora-targets", choices=("all", "mlp"), default="all", help="every decoder linear, or the MLP's"
+    )
+    p.add_argument(
+        "--teacher",
+        choices=("shared", "copy"),
+        default=None,
+        help="shared (LoRA default): the student with adapters off and dense activations; "
+        "copy: a frozen copy of the dense model",
+    )
+    p.add_argument(
+        "--corpora", type=_names, default=DEFAULT_TRAIN_CORPORA, help="training corpora (calibration splits)"
+    )
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence (default: 128)")
+    p.add_argument("--steps", type=int, default=500, help="optimizer steps (default: 500)")
+    p.add_argument(
+        "--batch-size", type=int, default=4, help="sequences per process per micro-batch (default: 4)"
+    )
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default: 1)")
+    p.add_argument(
+        "--lr", type=float, default=None, help="peak learning rate (default: 1e-3 with LoRA, 5e-4 full)"
+    )
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature (default: 1)")
+    p.add_argument("--ce-weight", type=float, default=0.0, help="weight of the next-token cross-entropy term")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--checkpoint-every", type=int, default=100, help="steps between checkpoints (0: at the end only)"
+    )
+    p.add_argument("--keep-checkpoints", type=int, default=2)
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    p.add_argument("--mixed-precision", choices=("no", "bf16"), default="no", help="autocast (default: no)")
+    p.add_argument(
+        "--save-dtype", default="auto", help="dtype of the saved checkpoint (default: the source's)"
+    )
+    p.add_argument("--no-eval", dest="evaluate", action="store_false", help="skip the measurements")
+    p.add_argument("--eval-corpora", type=_names, default=DEFAULT_EVAL_CORPORA, help="test-split corpora")
+    p.add_argument("--eval-tokens", type=int, default=4096, help="test tokens per corpus (default: 4096)")
+    p.add_argument("--eval-context", type=int, default=512, help="perplexity window (default: 512)")
+    p.add_argument(
+        "--eval-dtype", default="float32", help="dtype every measured model runs in (default: float32)"
+    )
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> tuple[RelufyOptions, TrainConfig]:
+    """The recipe's and the trainer's settings from parsed arguments."""
+    options = RelufyOptions(
+        output_dir=args.out,
+        model=args.model,
+        activation=args.activation,
+        threshold=args.threshold,
+        target_zeros=None if args.threshold is not None or args.activation == RELU else args.target_zeros,
+        mode=args.mode,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        lora_targets=args.lora_targets,
+        teacher=args.teacher,
+        corpora=args.corpora,
+        seq_len=args.seq_len,
+        mixed_precision=args.mixed_precision,
+        save_dtype=args.save_dtype,
+        evaluate=args.evaluate,
+        eval_corpora=args.eval_corpora,
+        eval_tokens=args.eval_tokens,
+        eval_context=args.eval_context,
+        eval_dtype=args.eval_dtype,
+        progress=args.progress,
+    )
+    train = TrainConfig(
+        output_dir=Path(args.out) / TRAIN_DIR,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        lr=args.lr if args.lr is not None else default_lr(args.mode),
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
+        schedule=args.schedule,
+        max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None,
+        temperature=args.temperature,
+        ce_weight=args.ce_weight,
+        seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints,
+        gradient_checkpointing=args.gradient_checkpointing,
+        progress=args.progress,
+    )
+    return options, train
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "python -m flashlm.training.relufy") -> int:
+    """Run the recipe from command-line arguments; prints the report on the main process."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser(prog).parse_args(argv)
+    try:
+        options, train = options_from_args(args)
+        report = run(options, train)
+    except FlashLMError as exc:
+        print(f"flashlm: error: {exc}", file=sys.stderr)
+        return 2
+    if report.measurements or report.reload_exact is not None:
+        print(json.dumps(report.to_dict(), indent=2, default=str) if args.json else format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""ReLU / FATReLU in place of the MLP activation (`flashlm.training.activations`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_tiny_model
+from torch import nn
+
+from flashlm.arch import find_mlps, model_type_of, spec_for
+from flashlm.errors import ConfigError
+from flashlm.training.activations import (
+    FATReLU,
+    ZeroCounter,
+    activations,
+    calibrate_thresholds,
+    dense_activations,
+    is_relufied,
+    relufy,
+    zero_fractions,
+)
+
+ARCHS = ["llama", "qwen2", "phi3", "gemma", "gemma3", "opt", "falcon"]
+
+
+def _ids(model: nn.Module, tokens: int = 128, seed: int = 0) -> torch.Tensor:
+    vocab = model.get_input_embeddings().num_embeddings
+    return torch.randint(3, vocab, (tokens,), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids.reshape(1, -1), use_cache=False).logits
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_relufy_swaps_every_activation_and_no_other_module(arch):
+    model = build_tiny_model(arch)
+    before = {name: module for name, module in model.named_modules()}
+    weights = {name: p.detach().clone() for name, p in model.state_dict().items()}
+    spec = spec_for(model_type_of(model.config))
+    layers = len(find_mlps(model, spec))
+
+    replaced = relufy(model, 0.25)
+
+    after = dict(model.named_modules())
+    assert len(replaced) == layers and set(replaced) <= set(after)
+    assert all(name.endswith(spec.act) for name in replaced)
+    for name, module in after.items():
+        if name in replaced:
+            assert isinstance(module, FATReLU) and module.threshold.item() == 0.25
+            assert not isinstance(before[name], FATReLU)
+        else:
+            assert module is before[name], f"{name} changed"
+    assert set(after) == set(before)
+    state = model.state_dict()  # no weight changed, and the thresholds add no tensor to the checkpoint
+    assert state.keys() == weights.keys() and all(torch.equal(state[k], weights[k]) for k in weights)
+    text = model.config.get_text_config()
+    assert getattr(text, spec.act_config_key) == "fatrelu"
+    assert model.config.relufication["thresholds"] == [0.25] * layers
+    assert is_relufied(model)
+
+
+def test_relufy_records_relu_and_per_layer_thresholds():
+    model = build_tiny_model("llama")
+    relufy(model)
+    assert model.config.hidden_act == "relu"
+    assert model.config.relufication == {"activation": "relu", "thresholds": [0.0, 0.0], "replaces": "silu"}
+    relufy(model, [0.1, 0.3])  # relufying again changes only the thresholds; the replaced act stays silu
+    assert [a.module.threshold.item() for a in activations(model)] == pytest.approx([0.1, 0.3])
+    assert model.config.relufication["replaces"] == "silu" and model.config.hidden_act == "fatrelu"
+    with pytest.raises(ConfigError, match="one threshold per MLP layer"):
+        relufy(model, [0.1, 0.2, 0.3])
+    with pytest.raises(ConfigError, match=">= 0"):
+        relufy(model, -0.5)
+
+
+def test_fatrelu_zeros_below_the_threshold_exactly():
+    t = 0.5
+    act = FATReLU(t)
+    x = torch.tensor([-3.0, -0.0, 0.0, 0.25, 0.5, 0.5000001, 0.75, 4.0])
+    y = act(x)
+    below = x <= t
+    assert torch.equal(y[below], torch.zeros(int(below.sum())))
+    assert not torch.signbit(y[below]).any()  # +0.0, never -0.0
+    assert torch.equal(y[~below], x[~below])  # the identity above
+    # bf16 inputs, a large random tensor; threshold 0 is exactly ReLU
+    z = torch.randn(4096, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert y.dtype == x.dtype and act(z).dtype == torch.bfloat16
+    assert torch.equal(FATReLU(0.0)(z), torch.relu(z))
+    assert int((act(z) == 0).sum()) == int((z <= t).sum())
+    with pytest.raises(ConfigError):
+        FATReLU(-0.1)
+    assert "threshold" not in act.state_dict()  # the config records thresholds, not the weights file
+
+
+def test_dense_activations_restores_the_dense_model_inside_the_block():
+    model = build_tiny_model("llama")
+    ids = _ids(model)
+    dense = _logits(model, ids)
+    relufy(model, 0.1)
+    relufied = _logits(model, ids)
+    assert not torch.equal(dense, relufied)
+    with dense_activations(model):
+        assert not is_relufied(model)
+        assert torch.equal(_logits(model, ids), dense)
+    assert is_relufied(model) and torch.equal(_logits(model, ids), relufied)
+    with pytest.raises(RuntimeError), dense_activations(model):  # restored even on error
+        raise RuntimeError("boom")
+    assert is_relufied(model)
+
+
+def test_zero_counter_counts_exact_zeros_per_layer():
+    model = build_tiny_model("llama")
+    ids = _ids(model)
+    relufy(model, [0.0, 1e9])  # layer 1 is all zeros
+    overall, per_layer = zero_fractions(model, ids, context_length=32, num_tokens=128)
+    assert per_layer[1] == 1.0
+    # layer 0 is ReLU: its zeros are its negative (or zero) inputs, counted here by another hook
+    inputs = []
+    act0 = activations(model)[0].module
+    handle = act0.register_forward_hook(lambda m, args, out: inputs.append(args[0]))
+    with ZeroCounter(model) as counter:
+        _logits(model, ids[:32])
+    handle.remove()
+    expected = float((inputs[0] <= 0).float().mean())
+    assert counter.fractions()[0] == pytest.approx(expected)
+    assert 0 < per_layer[0] < 1 and overall == pytest.approx(sum(per_layer) / 2)
+
+
+def test_calibrated_thresholds_hit_the_target_in_the_first_layer():
+    model = build_tiny_model("llama")
+    ids = _ids(model, 512)
+    thresholds = calibrate_thresholds(model, ids, 0.8, context_length=64, num_tokens=512)
+    assert len(thresholds) == 2 and all(t >= 0 for t in thresholds)
+    relufy(model, thresholds)
+    _, per_layer = zero_fractions(model, ids, context_length=64, num_tokens=512)
+    # layer 0 sees the same inputs as the dense model did; later layers see relufied layers' outputs
+    assert per_layer[0] == pytest.approx(0.8, abs=0.01)
+    with pytest.raises(ConfigError, match=r"\(0, 1\)"):
+        calibrate_thresholds(model, ids, 1.5)

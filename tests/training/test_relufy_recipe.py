@@ -1,0 +1,284 @@
+"""The relufication recipe (`flashlm.training.relufy`): saving and reloading, the run end to end, the
+command lines (`python -m`, `flashlm train relufy`, `accelerate launch` on two processes) and a real
+SIGKILL followed by a resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_tiny_model, save_word_tokenizer
+from transformers import AutoModelForCausalLM
+
+from flashlm.cli.main import main as flashlm_main
+from flashlm.data.corpora import CorpusNotFoundError, require
+from flashlm.training.activations import FATReLU, activations, relufy
+from flashlm.training.relufy import (
+    MODEL_DIR,
+    REPORT_NAME,
+    TRAIN_DIR,
+    NotRelufiedError,
+    cast_parameters,
+    load_relufied,
+    main,
+    save_relufied,
+)
+from flashlm.training.trainer import LOG_NAME, RESULT_NAME, read_log
+
+CORPUS = "jargon"  # the smallest corpus: tokenizing it with the word tokenizer takes a fraction of a second
+
+
+def _require_corpus() -> None:
+    try:
+        require(CORPUS)
+    except CorpusNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture
+def tiny_dir(make_tiny_checkpoint, tmp_path) -> Path:
+    """A bf16 tiny Llama checkpoint with a word-level tokenizer, in a directory of its own."""
+    path = tmp_path / "tiny"
+    shutil.copytree(make_tiny_checkpoint("llama"), path)
+    save_word_tokenizer(path)
+    return path
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids.reshape(1, -1), use_cache=False).logits
+
+
+def _common(model: Path, out: Path, *, steps: int = 6, extra: tuple[str, ...] = ()) -> list[str]:
+    return [
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+        "--corpora",
+        CORPUS,
+        "--eval-corpora",
+        CORPUS,
+        "--eval-tokens",
+        "512",
+        "--eval-context",
+        "64",
+        "--seq-len",
+        "32",
+        "--steps",
+        str(steps),
+        "--checkpoint-every",
+        "3",
+        "--warmup-steps",
+        "0",
+        "--lr",
+        "1e-2",
+        "--no-progress",
+        *extra,
+    ]
+
+
+# ---- saving and reloading --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("thresholds", [0.0, [0.05, 0.2]], ids=["relu", "fatrelu"])
+def test_the_saved_checkpoint_reloads_with_identical_logits(tmp_path, thresholds, dtype):
+    model = build_tiny_model("llama")
+    relufy(model, thresholds)
+    with torch.no_grad():  # stands for training: every weight moved
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.01)
+    model = cast_parameters(model, dtype)
+    ids = torch.arange(3, 67)
+    expected = _logits(model, ids)
+    saved = save_relufied(model, tmp_path / "model")
+    assert not list(tmp_path.glob(".*"))  # the temporary name is gone
+
+    reloaded = load_relufied(saved)
+    assert torch.equal(_logits(reloaded, ids), expected)
+    assert all(isinstance(a.module, FATReLU) for a in activations(reloaded))
+    expected_thresholds = [0.0, 0.0] if thresholds == 0.0 else thresholds
+    assert [a.module.threshold.item() for a in activations(reloaded)] == pytest.approx(expected_thresholds)
+    assert next(reloaded.parameters()).dtype == dtype
+    config = json.loads((saved / "config.json").read_text())
+    assert config["relufication"]["replaces"] == "silu"
+    if thresholds == 0.0:
+        # ReLU is in transformers' own table: the checkpoint loads anywhere, with the same logits
+        assert config["hidden_act"] == "relu"
+        plain = AutoModelForCausalLM.from_pretrained(saved)
+        assert torch.equal(_logits(plain, ids), expected)
+    else:
+        # a thresholded ReLU is not: plain transformers refuses it loudly instead of building another model
+        assert config["hidden_act"] == "fatrelu"
+        with pytest.raises(KeyError, match="fatrelu"):
+            AutoModelForCausalLM.from_pretrained(saved)
+    # the weights file holds the architecture's ordinary tensors, nothing more
+    from safetensors import safe_open
+
+    with safe_open(str(saved / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(build_tiny_model("llama").state_dict())
+    # saving again replaces the checkpoint only once the new one is complete
+    save_relufied(reloaded, saved)
+    assert torch.equal(_logits(load_relufied(saved), ids), expected)
+
+
+def test_load_relufied_refuses_a_checkpoint_it_did_not_write(make_tiny_checkpoint):
+    with pytest.raises(NotRelufiedError, match="from_pretrained"):
+        load_relufied(make_tiny_checkpoint("llama"))
+
+
+# ---- the recipe ------------------------------------------------------------------------------------
+
+
+def test_the_recipe_relufies_trains_saves_and_measures(tiny_dir, tmp_path, capsys):
+    _require_corpus()
+    pytest.importorskip("peft", reason="LoRA needs the training extra: pip install 'flashlm[training]'")
+    out = tmp_path / "out"
+    argv = _common(tiny_dir, out, extra=("--lora-rank", "4", "--target-zeros", "0.8", "--json"))
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report == json.loads((out / REPORT_NAME).read_text())
+    assert report["steps"] == 6 and report["reload_exact"] is True
+    assert report["options"]["mode"] == "lora" and len(report["thresholds"]) == 2
+    stages = report["measurements"]
+    assert list(stages) == ["dense", "relufied, not trained", "relufied, trained"]
+    for stage in stages.values():
+        assert stage[CORPUS]["tokens"] == 8 * 63 and stage[CORPUS]["perplexity"] > 1
+        assert len(stage[CORPUS]["zero_fraction_per_layer"]) == 2
+    assert stages["dense"][CORPUS]["zero_fraction"] < 0.01  # SiLU is (almost) never exactly zero
+    # layer 0 of the untrained model sees the dense model's inputs: its zeros hit the calibrated target
+    # (measured on held-out text, the test split, while the thresholds came from the calibration split)
+    assert stages["relufied, not trained"][CORPUS]["zero_fraction_per_layer"][0] == pytest.approx(
+        0.8, abs=0.1
+    )
+    log = read_log(out / TRAIN_DIR / LOG_NAME)
+    assert [r["step"] for r in log] == list(range(1, 7))
+    model = load_relufied(out / MODEL_DIR)
+    assert [a.module.threshold.item() for a in activations(model)] == pytest.approx(report["thresholds"])
+    assert (out / MODEL_DIR / "tokenizer.json").is_file()
+    # run again, unchanged: the run is complete, so it only saves and measures again
+    assert main([*argv[:-1], "--no-eval"]) == 0
+    assert "reload exact True" in capsys.readouterr().out
+    assert len(read_log(out / TRAIN_DIR / LOG_NAME)) == 6
+
+
+def test_flashlm_train_relufy_on_the_command_line(tiny_dir, tmp_path, capsys):
+    _require_corpus()
+    out = tmp_path / "out"
+    argv = ["train", "relufy", *_common(tiny_dir, out, steps=3), "--activation", "relu", "--mode", "full"]
+    assert flashlm_main([*argv, "--no-eval"]) == 0
+    printed = capsys.readouterr().out
+    assert "reload exact True" in printed and "relu" in printed
+    config = json.loads((out / MODEL_DIR / "config.json").read_text())
+    assert config["hidden_act"] == "relu" and config["relufication"]["thresholds"] == [0.0, 0.0]
+    # a bad combination is refused before anything loads, with what to do
+    assert (
+        flashlm_main(
+            ["train", "relufy", *_common(tiny_dir, tmp_path / "x"), "--mode", "full", "--teacher", "shared"]
+        )
+        == 2
+    )
+    assert "teacher='copy'" in capsys.readouterr().err
+
+
+# ---- processes ---------------------------------------------------------------------------------------
+
+
+def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, env=env or os.environ.copy(), timeout=300)
+
+
+CHILD = """
+import os, signal, sys
+from flashlm.training.relufy import build_parser, options_from_args, run
+
+def kill(step, record):
+    if step == int(os.environ["KILL_AT"]):
+        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup of any kind, as a crash or an OOM kill
+
+run(*options_from_args(build_parser().parse_args(sys.argv[1:])), on_step=kill)
+"""
+
+
+def test_a_run_killed_with_sigkill_resumes_to_the_uninterrupted_losses(tiny_dir, tmp_path):
+    _require_corpus()
+    # full fine-tune and the CE term: a loss that moves a lot, so any divergence would show
+    extra = ("--mode", "full", "--ce-weight", "1", "--no-eval", "--steps", "9")
+    reference = _run(
+        [sys.executable, "-m", "flashlm.training.relufy", *_common(tiny_dir, tmp_path / "a", extra=extra)]
+    )
+    assert reference.returncode == 0, reference.stderr
+
+    killed_dir = tmp_path / "b"
+    args = _common(tiny_dir, killed_dir, extra=extra)
+    # after checkpoint 3, before checkpoint 6
+    killed = _run([sys.executable, "-c", CHILD, *args], env={**os.environ, "KILL_AT": "5"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert [r["step"] for r in read_log(killed_dir / TRAIN_DIR / LOG_NAME)] == [1, 2, 3, 4, 5]
+    assert not (killed_dir / MODEL_DIR).exists()
+
+    resumed = _run([sys.executable, "-m", "flashlm.training.relufy", *args])
+    assert resumed.returncode == 0, resumed.stderr
+    a = read_log(tmp_path / "a" / TRAIN_DIR / LOG_NAME)
+    b = read_log(killed_dir / TRAIN_DIR / LOG_NAME)
+    assert [r["step"] for r in b] == list(range(1, 10))
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-6)
+    assert json.loads((killed_dir / TRAIN_DIR / RESULT_NAME).read_text())["start_step"] == 3
+    ids = torch.arange(3, 35)
+    assert torch.equal(
+        _logits(load_relufied(killed_dir / MODEL_DIR), ids),
+        _logits(load_relufied(tmp_path / "a" / MODEL_DIR), ids),
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_two_processes_under_accelerate_launch(tiny_dir, tmp_path, mode):
+    _require_corpus()
+    if mode == "lora":
+        pytest.importorskip("peft", reason="LoRA needs the training extra: pip install 'flashlm[training]'")
+    accelerate = Path(sys.executable).parent / "accelerate"
+    if not accelerate.is_file():
+        pytest.skip(f"the accelerate command line is not installed beside {sys.executable}")
+    out = tmp_path / "out"
+    launch = [
+        str(accelerate),
+        "launch",
+        "--multi_gpu",  # on a machine without CUDA: torchrun processes, which the trainer runs on CPU (gloo)
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+        "-m",
+        "flashlm.training.relufy",
+    ]
+    extra = ("--mode", mode, "--ce-weight", "1", "--no-eval", "--steps", "8", "--lora-rank", "8")
+    done = _run([*launch, *_common(tiny_dir, out, extra=extra)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / TRAIN_DIR / RESULT_NAME).read_text())
+    assert result["num_processes"] == 2
+    assert len(result["checksums"]) == 2 and result["checksums"][0] == result["checksums"][1]
+    losses = [r["loss"] for r in read_log(out / TRAIN_DIR / LOG_NAME)]
+    assert len(losses) == 8 and sum(losses[-2:]) / 2 < 0.8 * losses[0], losses
+    assert result["tokens_per_step"] == 2 * 4 * 32  # two processes of batch 4 per step
+    assert "reload exact True" in done.stdout and done.stdout.count("reload exact") == 1  # main process only

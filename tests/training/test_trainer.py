@@ -1,0 +1,253 @@
+"""The distillation trainer (`flashlm.training.trainer`): loss, learning, checkpoints, kill and resume."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import tiny_config
+from torch import nn
+
+from flashlm.errors import ConfigError
+from flashlm.training.activations import dense_activations, relufy
+from flashlm.training.data import SequenceSampler, pack
+from flashlm.training.trainer import (
+    LOG_NAME,
+    RESULT_NAME,
+    STATE_NAME,
+    ModelTeacher,
+    ResumeMismatchError,
+    TrainConfig,
+    Trainer,
+    checkpoint_dirs,
+    distillation_loss,
+    read_log,
+)
+
+
+def _sequences(rows: int = 48, length: int = 16, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 128, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _student(seed: int = 1, dropout: float = 0.0) -> nn.Module:
+    config = tiny_config("llama")
+    config.attention_dropout = dropout
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+class Killed(Exception):
+    """Stands for a SIGKILL between two checkpoints (the subprocess test sends a real one)."""
+
+
+# ---- the loss -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_distillation_loss_is_zero_for_the_teacher_and_positive_otherwise(temperature):
+    generator = torch.Generator().manual_seed(0)
+    teacher = torch.randn(2, 5, 11, generator=generator) * 3
+    loss, parts = distillation_loss(teacher.clone(), teacher, temperature=temperature)
+    assert loss.item() == 0.0 and parts == {"kl": 0.0}
+    student = teacher + torch.randn(2, 5, 11, generator=generator)
+    loss, parts = distillation_loss(student, teacher, temperature=temperature)
+    assert loss.item() > 0 and parts["kl"] == pytest.approx(loss.item())
+    # the KL of the definition, T² · mean over tokens of Σ p (log p - log q)
+    p = torch.softmax(teacher / temperature, -1)
+    q = torch.softmax(student / temperature, -1)
+    expected = temperature**2 * (p * (p.log() - q.log())).sum(-1).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    # shifting every logit of a token by a constant changes no distribution
+    assert distillation_loss(teacher + 5.0, teacher, temperature=temperature)[0].item() == pytest.approx(
+        0, abs=1e-5
+    )
+
+
+def test_distillation_loss_adds_the_next_token_cross_entropy():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, 9, generator=generator)
+    ids = torch.randint(0, 9, (2, 6), generator=generator)
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 9), ids[:, 1:].reshape(-1))
+    loss, parts = distillation_loss(logits, logits, ids, ce_weight=0.5)
+    assert parts["kl"] == 0 and parts["ce"] == pytest.approx(ce.item())
+    assert loss.item() == pytest.approx(0.5 * ce.item())
+    alone, parts = distillation_loss(logits, None, ids)  # no teacher: the cross-entropy alone
+    assert alone.item() == pytest.approx(ce.item()) and "kl" not in parts
+    with pytest.raises(ConfigError, match="shape"):
+        distillation_loss(logits, logits[..., :5])
+    with pytest.raises(ConfigError, match="input ids"):
+        distillation_loss(logits, None)
+
+
+# ---- data -------------------------------------------------------------------------------------------
+
+
+def test_pack_and_the_sampler_are_deterministic_and_disjoint():
+    rows = pack(torch.arange(100), 16)
+    assert rows.shape == (6, 16) and torch.equal(rows.flatten(), torch.arange(96))
+    sampler = SequenceSampler(10, batch_size=2, accumulation=2, world=2, seed=3)
+    step = [sampler.rows(0, m, r) for m in range(2) for r in range(2)]
+    flat = [i for rows in step for i in rows]
+    assert len(set(flat)) == 8  # one step's micro-batches and ranks never share a row
+    again = SequenceSampler(10, batch_size=2, accumulation=2, world=2, seed=3)
+    assert all(
+        again.rows(s, m, r) == sampler.rows(s, m, r) for s in (5, 0, 7) for m in (0, 1) for r in (0, 1)
+    )
+    epoch = [i for s in range(5) for m in range(2) for r in range(2) for i in sampler.rows(s, m, r)][:10]
+    assert sorted(epoch) == list(range(10))  # every row once per epoch
+    with pytest.raises(ConfigError):
+        pack(torch.arange(10), 1)
+
+
+# ---- training ---------------------------------------------------------------------------------------
+
+
+def _config(tmp_path: Path, **overrides) -> TrainConfig:
+    options = dict(
+        output_dir=tmp_path,
+        steps=8,
+        batch_size=2,
+        lr=3e-3,
+        warmup_steps=1,
+        checkpoint_every=3,
+        progress=False,
+    )
+    return TrainConfig(**{**options, **overrides})
+
+
+def test_training_reduces_a_planted_distillation_loss(tmp_path):
+    # the planted target: a teacher that puts most of its mass on token (t + 1) mod vocab after token t
+    def teacher(ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.one_hot((ids + 1) % 128, 128).float() * 8.0
+
+    student = _student(seed=1)
+    config = _config(tmp_path, steps=60, batch_size=8, lr=1e-2, schedule="constant", checkpoint_every=0)
+    result = Trainer(student, _sequences(), config, teacher=teacher).train()
+    losses = [r["loss"] for r in result.losses]
+    assert len(losses) == 60 and [r["step"] for r in result.losses] == list(range(1, 61))
+    assert sum(losses[-5:]) / 5 < 0.25 * losses[0], losses
+    assert all(r["kl"] is not None and r["ce"] is None for r in result.losses)
+    saved = json.loads((tmp_path / RESULT_NAME).read_text())
+    assert saved["steps"] == 60 and saved["final_loss"] == losses[-1] and len(saved["checksums"]) == 1
+
+
+def _setup(kind: str, dropout: float) -> tuple[nn.Module, ModelTeacher]:
+    """The recipe's two set-ups on a tiny model: full fine-tune with a frozen dense copy as teacher, or
+    LoRA with the student itself (adapters off, dense activations) as teacher."""
+    dense = _student(seed=0, dropout=dropout)
+    student = _student(seed=0, dropout=dropout)
+    relufy(student, 0.05)
+    if kind == "full":
+        return student, ModelTeacher(dense.requires_grad_(False))
+    peft = pytest.importorskip(
+        "peft", reason="LoRA needs the training extra: pip install 'flashlm[training]'"
+    )
+
+    torch.manual_seed(0)
+    lora = peft.get_peft_model(
+        student, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj", "down_proj"])
+    )
+    for name, parameter in lora.named_parameters():  # B starts at zero; make the adapters matter at once
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.02)
+    return lora, ModelTeacher(lora, (lora.disable_adapter, lambda: dense_activations(lora)))
+
+
+def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_kill_and_resume_gives_the_uninterrupted_loss_curve(tmp_path, kind):
+    sequences = _sequences()
+    # dropout in the student: equal losses after a resume need the RNG state back, not only the weights
+    model, teacher = _setup(kind, dropout=0.1)
+    reference = Trainer(model, sequences, _config(tmp_path / "a"), teacher=teacher).train()
+    expected = _trainable(model)
+
+    model, teacher = _setup(kind, dropout=0.1)
+
+    def kill_at_5(step: int, record: dict) -> None:
+        if step == 5:  # after checkpoint 3, before checkpoint 6: steps 4 and 5 are lost
+            raise Killed
+
+    with pytest.raises(Killed):
+        Trainer(model, sequences, _config(tmp_path / "b"), teacher=teacher).train(on_step=kill_at_5)
+    assert [s for s, _ in checkpoint_dirs(tmp_path / "b")] == [3]
+    assert [r["step"] for r in read_log(tmp_path / "b" / LOG_NAME)] == [1, 2, 3, 4, 5]
+
+    model, teacher = _setup(kind, dropout=0.1)  # a new process: the model as it was first built
+    resumed = Trainer(model, sequences, _config(tmp_path / "b"), teacher=teacher).train()
+    assert resumed.start_step == 3 and reference.start_step == 0
+    assert [r["step"] for r in resumed.losses] == list(range(1, 9))
+    for a, b in zip(reference.losses, resumed.losses, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-10), (a, b)
+        assert b["lr"] == pytest.approx(a["lr"], rel=1e-12)
+    final = _trainable(model)
+    assert final.keys() == expected.keys()
+    assert all(torch.allclose(final[k], expected[k], rtol=1e-6, atol=1e-8) for k in expected)
+    # the last two checkpoints are kept, complete, and nothing temporary is left behind
+    assert [s for s, _ in checkpoint_dirs(tmp_path / "b")] == [6, 8]
+    assert not list((tmp_path / "b").glob(".*"))
+
+
+def test_resume_skips_incomplete_checkpoints_and_refuses_other_settings(tmp_path):
+    sequences = _sequences()
+    model, teacher = _setup("full", dropout=0.0)
+    Trainer(model, sequences, _config(tmp_path, steps=3), teacher=teacher).train()
+    # a kill during a save leaves a temporary directory; a checkpoint without its state file is not one
+    (tmp_path / ".checkpoint-000004.tmp").mkdir()
+    (tmp_path / "checkpoint-000005").mkdir()
+    with open(tmp_path / LOG_NAME, "a") as log:
+        log.write('{"step": 4, "loss": 1.')  # a line a kill cut short
+    assert [s for s, _ in checkpoint_dirs(tmp_path)] == [3]
+    assert [r["step"] for r in read_log(tmp_path / LOG_NAME)] == [1, 2, 3]
+
+    model, teacher = _setup("full", dropout=0.0)
+    result = Trainer(model, sequences, _config(tmp_path, steps=3), teacher=teacher).train()
+    assert result.start_step == 3 and len(result.losses) == 3  # already done: nothing to train
+    assert not (tmp_path / ".checkpoint-000004.tmp").exists()
+    state = json.loads((tmp_path / "checkpoint-000003" / STATE_NAME).read_text())
+    assert state["step"] == 3
+
+    model, teacher = _setup("full", dropout=0.0)
+    with pytest.raises(ResumeMismatchError, match=r"config\.lr"):
+        Trainer(model, sequences, _config(tmp_path, steps=3, lr=1e-4), teacher=teacher).train()
+    model, teacher = _setup("full", dropout=0.0)
+    with pytest.raises(ResumeMismatchError, match="data"):
+        Trainer(model, _sequences(seed=1), _config(tmp_path, steps=3), teacher=teacher).train()
+
+
+def test_accumulation_and_checkpointing_do_not_change_the_losses(tmp_path):
+    sequences = _sequences()
+
+    def losses(name: str, **overrides) -> list[float]:
+        model, teacher = _setup("full", dropout=0.0)
+        config = _config(tmp_path / name, steps=3, checkpoint_every=0, **overrides)
+        return [r["loss"] for r in Trainer(model, sequences, config, teacher=teacher).train().losses]
+
+    plain = losses("plain", batch_size=4)
+    # the same 4 rows per step, as 2 micro-batches of 2: the same mean loss and gradient
+    assert losses("accumulated", batch_size=2, grad_accum=2) == pytest.approx(plain, rel=1e-5)
+    assert losses("checkpointed", batch_size=4, gradient_checkpointing=True) == pytest.approx(plain, rel=1e-5)
+
+
+def test_train_config_rejects_bad_values(tmp_path):
+    for bad in ({"steps": 0}, {"lr": 0.0}, {"batch_size": 1.5}, {"temperature": 0}, {"schedule": "step"}):
+        with pytest.raises(ConfigError):
+            _config(tmp_path, **bad)
+    model = _student()
+    with pytest.raises(ConfigError, match="Nothing to train on"):
+        Trainer(model, _sequences(), _config(tmp_path))
+    model.requires_grad_(False)
+    with pytest.raises(ConfigError, match="no trainable parameter"):
+        Trainer(model, _sequences(), _config(tmp_path, ce_weight=1.0))
+    cfg = _config(tmp_path, steps=10, warmup_steps=2, min_lr_ratio=0.1)
+    factors = [cfg.lr_factor(s) for s in range(10)]
+    assert factors[0] < factors[1] < factors[2] == 1.0 and factors[-1] > 0.1 - 1e-9
+    assert all(a >= b for a, b in itertools.pairwise(factors[2:])) and not math.isnan(sum(factors))
