@@ -51,3 +51,16 @@ def test_trained_predictors_are_saved_beside_the_store_and_drive_the_method(tiny
 def test_too_few_tokens_for_one_window_is_refused_before_any_work(tiny_opt):
     with pytest.raises(ConfigError, match="at least one window"):
         train_store_predictors(tiny_opt, tokens=32, sequence_length=64, progress=False)
+
+
+def test_the_cli_trains_and_reports_per_layer(tiny_opt, tmp_path, capsys):
+    from flashlm.cli.main import main
+
+    store = tmp_path / "store"
+    args = ["train", "predictors", "--model", str(tiny_opt), "--store", str(store)]
+    code = main([*args, "--tokens", "512", "--sequence-length", "64", "--epochs", "2"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[:4] == ["layer", "rank", "threshold", "recall"]
+    assert "% of the MLP parameters" in out
+    assert len(Predictors.load(store)) == 2

@@ -1,4 +1,4 @@
-"""`flashlm` command line: convert, info, generate, calibrate, prune, bench, simulate, eval."""
+"""`flashlm` command line: convert, info, generate, calibrate, prune, bench, simulate, eval, train."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from ..config import CACHE_SPLITS
 
 METHOD_HELP = (
     "what each MLP does, a method spec: dense (default), dip, dip-ca (DIP-CA, γ 0.2), dip-ca:GAMMA, "
-    "dip-layer, dip-global, glu, gate, up, cats, endor (a pruned model's decoder linears, Endor-compressed)"
+    "dip-layer, dip-global, glu, gate, up, cats, predictor, predictor-window:K (a sliding window of K "
+    "tokens), endor (a pruned model's decoder linears, Endor-compressed)"
 )
 
 
@@ -499,6 +500,67 @@ def _add_prune_parser(sub) -> None:
     prune.set_defaults(func=cmd_prune)
 
 
+def cmd_train_relufy(args: argparse.Namespace) -> int:
+    from ..training.relufy import format_report, options_from_args, run
+
+    report = run(*options_from_args(args))
+    if report.measurements or report.reload_exact is not None:  # the main process (others print nothing)
+        print(json.dumps(report.to_dict(), indent=2, default=str) if args.json else format_report(report))
+    return 0
+
+
+def cmd_train_predictors(args: argparse.Namespace) -> int:
+    from ..predictors import TrainOptions, format_reports
+    from ..workflows.predictors import train_store_predictors
+
+    options = TrainOptions(target_recall=args.target_recall, epochs=args.epochs)
+    predictors = train_store_predictors(
+        args.model,
+        corpus=args.corpus,
+        tokens=args.tokens,
+        sequence_length=args.sequence_length,
+        options=options,
+        store=args.store,
+    )
+    print(format_reports(predictors.reports))
+    params = sum(r.size_percent or 0.0 for r in predictors.reports) / len(predictors.reports)
+    print(f"predictors: {params:.2f}% of the MLP parameters on average per layer")
+    return 0
+
+
+def _add_train_parser(sub) -> None:
+    from ..training.relufy import build_parser as relufy_parser
+
+    train = sub.add_parser(
+        "train", help="training recipes (run unchanged under `accelerate launch -m flashlm.cli ...`)"
+    )
+    train_sub = train.add_subparsers(dest="train_command", required=True)
+    relufy = train_sub.add_parser(
+        "relufy",
+        parents=[relufy_parser()],
+        add_help=False,
+        help="ReLU / FATReLU in place of the MLP activation, fine-tuned by distillation; saves and measures",
+        description=relufy_parser().description,
+    )
+    relufy.set_defaults(func=cmd_train_relufy)
+
+    predictors = train_sub.add_parser(
+        "predictors",
+        help="low-rank activation predictors for method='predictor', trained on a corpus and saved beside "
+        "the model's store",
+    )
+    predictors.add_argument("--model", default=None, help="checkpoint directory or bundled model name")
+    predictors.add_argument("--store", default=None, help="the store to save beside (default: the model's)")
+    predictors.add_argument("--corpus", default="shakespeare", help="labels come from its calibration split")
+    predictors.add_argument("--tokens", type=_int_at_least(2), default=32768, help="tokens to label")
+    predictors.add_argument("--sequence-length", type=_int_at_least(2), default=256)
+    predictors.add_argument(
+        "--target-recall", type=float, default=0.95, help="per layer: the rank grows until it is reached"
+    )
+    predictors.add_argument("--epochs", type=_int_at_least(1), default=4)
+    predictors.set_defaults(func=cmd_train_predictors)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashlm", description="Run language models larger than memory.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -636,6 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.set_defaults(func=cmd_eval_sweep)
 
     _add_prune_parser(sub)
+    _add_train_parser(sub)
     return parser
 
 
