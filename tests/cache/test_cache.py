@@ -20,7 +20,7 @@ from flashlm.cache import (
     policy_state_bytes,
     split_budget,
 )
-from flashlm.cache.policies import NO_CACHE
+from flashlm.cache.policies import NO_CACHE, POLICIES
 from flashlm.config import FlashConfig
 from flashlm.errors import BudgetTooSmallError, ConfigError
 
@@ -282,9 +282,15 @@ def test_unknown_policy_names_the_available_ones() -> None:
 
 
 def test_registry_and_state_bytes_agree_with_allocation() -> None:
-    # FlashConfig accepts exactly the registered policies and NO_CACHE (the cache at capacity 0).
+    # FlashConfig accepts exactly the registered live policies and NO_CACHE (the cache at capacity 0);
+    # an offline one (it needs a trace's future) is refused, naming where it runs.
     for name in (*available_policies(), NO_CACHE):
-        assert FlashConfig(policy=name).policy == name
+        if name != NO_CACHE and POLICIES[name].OFFLINE:
+            with pytest.raises(ConfigError, match="offline replay"):
+                FlashConfig(policy=name)
+        else:
+            assert FlashConfig(policy=name).policy == name
+    assert [name for name in available_policies() if POLICIES[name].OFFLINE] == ["belady"]
     with pytest.raises(ConfigError, match="atu, belady, lfu, lru, window, none"):
         FlashConfig(policy="fifo")
     for name in available_policies():
