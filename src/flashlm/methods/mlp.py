@@ -37,16 +37,23 @@ def streaming_mlps(model: nn.Module) -> list[FlashMLP]:
 def open_checkpoint_store(checkpoint_dir: str | Path, config: FlashConfig, *, progress: bool = True) -> Store:
     """The MLP store of a safetensors checkpoint: opened and checked, or converted first if missing."""
     source = SafetensorsSource(checkpoint_dir)
-    key = source.fingerprint()
+    return _open_mlp_store(source, str(checkpoint_dir), config, progress, fingerprint=source.fingerprint())
+
+
+def _open_mlp_store(
+    source: SafetensorsSource | ModuleSource, name: str, config: FlashConfig, progress: bool, **key: str
+) -> Store:
+    """The MLP store of `source`, found or converted by the one store-opening policy under `key` (its
+    fingerprint or content hash), and checked to match it."""
     store = open_or_convert(
         config.store,
-        str(checkpoint_dir),
-        key,
+        name,
+        next(iter(key.values())),
         ".flash",
         lambda path: convert(source, path, progress=progress),
         Store.open,
     )
-    store.check_matches(model_type=source.model_type, fingerprint=key)
+    store.check_matches(model_type=source.model_type, **key)
     return store
 
 
@@ -65,18 +72,8 @@ class MLPReplacer(Replacer):
         if checkpoint_dir is not None:
             return open_checkpoint_store(checkpoint_dir, config, progress=progress)
         source = ModuleSource(model)
-        key = mlp_content_sha256(source)
         name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-        store = open_or_convert(
-            config.store,
-            name,
-            key,
-            ".flash",
-            lambda path: convert(source, path, progress=progress),
-            Store.open,
-        )
-        store.check_matches(model_type=source.model_type, content_sha256=key)
-        return store
+        return _open_mlp_store(source, name, config, progress, content_sha256=mlp_content_sha256(source))
 
     def prepare(
         self, model: nn.Module, store: Store, config: FlashConfig
