@@ -37,24 +37,20 @@ def streaming_mlps(model: nn.Module) -> list[FlashMLP]:
 def open_checkpoint_store(checkpoint_dir: str | Path, config: FlashConfig, *, progress: bool = True) -> Store:
     """The MLP store of a safetensors checkpoint: opened and checked, or converted first if missing."""
     source = SafetensorsSource(checkpoint_dir)
-    return _open_mlp_store(source, str(checkpoint_dir), config, progress, fingerprint=source.fingerprint())
+    fingerprint = source.fingerprint()
+    store = _open_mlp_store(source, str(checkpoint_dir), fingerprint, config, progress)
+    store.check_matches(model_type=source.model_type, fingerprint=fingerprint)
+    return store
 
 
 def _open_mlp_store(
-    source: SafetensorsSource | ModuleSource, name: str, config: FlashConfig, progress: bool, **key: str
+    source: SafetensorsSource | ModuleSource, name: str, key: str, config: FlashConfig, progress: bool
 ) -> Store:
-    """The MLP store of `source`, found or converted by the one store-opening policy under `key` (its
-    fingerprint or content hash), and checked to match it."""
-    store = open_or_convert(
-        config.store,
-        name,
-        next(iter(key.values())),
-        ".flash",
-        lambda path: convert(source, path, progress=progress),
-        Store.open,
+    """The MLP store of `source`, found under `key` (its fingerprint or content hash) or converted, by
+    the one store-opening policy; the caller checks that it matches."""
+    return open_or_convert(
+        config.store, name, key, ".flash", lambda path: convert(source, path, progress=progress), Store.open
     )
-    store.check_matches(model_type=source.model_type, **key)
-    return store
 
 
 class MLPReplacer(Replacer):
@@ -73,7 +69,10 @@ class MLPReplacer(Replacer):
             return open_checkpoint_store(checkpoint_dir, config, progress=progress)
         source = ModuleSource(model)
         name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-        return _open_mlp_store(source, name, config, progress, content_sha256=mlp_content_sha256(source))
+        content = mlp_content_sha256(source)
+        store = _open_mlp_store(source, name, content, config, progress)
+        store.check_matches(model_type=source.model_type, content_sha256=content)
+        return store
 
     def prepare(
         self, model: nn.Module, store: Store, config: FlashConfig

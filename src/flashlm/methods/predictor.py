@@ -161,13 +161,12 @@ class PredictorMLP(FlashMLP):
         ids = union_ids(mask)
         selected = perf_counter()
         runtime.settle(layer, BUNDLE)
-        miss_ids = cache.find_misses(ids)
+        hit_ids, hit_slots, miss_ids = cache.lookup(ids)
         looked_up = perf_counter()
         pending = runtime.submit(layer, BUNDLE, miss_ids)
         submitted = perf_counter()
 
-        hit_ids = ids[cache.slot_of[ids] >= 0]
-        out = self._bundles(x, mask, cache.rows.index_select(0, cache.slot_of[hit_ids]), hit_ids)
+        out = self._bundles(x, mask, cache.rows.index_select(0, hit_slots), hit_ids)
         waiting = perf_counter()
         fetched = pending.result()
         read = perf_counter()
