@@ -141,7 +141,6 @@ def test_load_relufied_refuses_a_checkpoint_it_did_not_write(make_tiny_checkpoin
 
 def test_the_recipe_relufies_trains_saves_and_measures(tiny_dir, tmp_path, capsys):
     _require_corpus()
-    pytest.importorskip("peft", reason="LoRA needs the training extra: pip install 'flashlm[training]'")
     out = tmp_path / "out"
     argv = _common(tiny_dir, out, extra=("--lora-rank", "4", "--target-zeros", "0.8", "--json"))
     assert main(argv) == 0
@@ -249,11 +248,7 @@ def _free_port() -> int:
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_two_processes_under_accelerate_launch(tiny_dir, tmp_path, mode):
     _require_corpus()
-    if mode == "lora":
-        pytest.importorskip("peft", reason="LoRA needs the training extra: pip install 'flashlm[training]'")
-    accelerate = Path(sys.executable).parent / "accelerate"
-    if not accelerate.is_file():
-        pytest.skip(f"the accelerate command line is not installed beside {sys.executable}")
+    accelerate = Path(sys.executable).parent / "accelerate"  # accelerate is a dependency: its CLI is there
     out = tmp_path / "out"
     launch = [
         str(accelerate),
