@@ -28,7 +28,7 @@ import torch
 
 from flashlm._utils import format_bytes, parse_bytes
 from flashlm.eval.decode import proc_read_bytes
-from flashlm.eval.disk import random_read_throughput, supports_direct, write_test_file
+from flashlm.store.disk import random_read_throughput, supports_direct, write_test_file
 from flashlm.store.reader import ALIGNMENT, StoreReader, break_even_gap_bytes
 from flashlm.store.rowfile import RowFile
 

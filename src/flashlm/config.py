@@ -120,7 +120,10 @@ class FlashConfig(QuantizationConfigMixin):
         direct_io: read with O_DIRECT (bypassing the page cache). `None` uses it where the OS and
             file system allow and falls back to buffered reads otherwise (stats say which); `True`
             requires it; `False` never uses it.
-        io_threads: reader threads. `None` takes the measured default.
+        io_threads: reader threads (requests in flight). `None` measures the store's disk the first
+            time a store on it is read (about a second; remembered in flashlm's cache) and takes the
+            fewest threads near its best throughput, and the merge gap its request cost and bandwidth
+            give (`flashlm.store.disk.disk_profile`); without O_DIRECT, the reader's defaults.
         io_chunk_bytes: longest single read (a multiple of 4096). `None` takes the measured default.
         cache_split: how the budget's cache bytes are shared between unit kinds: `"read-cost"`
             (default) fills first the caches whose misses cost the disk most bytes per unit byte

@@ -21,6 +21,7 @@ import torch
 from ..cache import BudgetPlan, NeuronCache, make_policy, split_budget
 from ..cache.policies import NO_CACHE
 from ..store import ALIGNMENT, RowFile, Store, StoreReader
+from ..store.disk import DiskProfile, disk_profile
 from ..store.format import dense_kinds
 from ..store.reader import row_matrix
 from .stats import FlashStats, StatsRecorder
@@ -63,12 +64,18 @@ class Runtime:
         self.stats = StatsRecorder()
         self.reader: StoreReader | None = None
         self._io: ThreadPoolExecutor | None = None
+        self.disk: DiskProfile | None = None
+        """The measured profile of the store's disk that set the reader's threads and merge gap (None:
+        the reader's defaults, or `io_threads` given)."""
         if files:
+            if config.io_threads is None and config.direct_io is not False:
+                self.disk = disk_profile([f.path for f in files.values()])
             self.reader = StoreReader(
                 files,
                 direct_io=config.direct_io,
-                threads=config.io_threads,
+                threads=config.io_threads if self.disk is None else self.disk.threads,
                 chunk_bytes=config.io_chunk_bytes,
+                merge_gap_bytes=None if self.disk is None else self.disk.merge_gap_bytes,
                 buffer_bytes=0,  # every read lands in place in a buffer of the runtime's own
             )
             self._io = ThreadPoolExecutor(1, thread_name_prefix=thread_name)

@@ -282,7 +282,7 @@ def check_perplexity_tokens(
 def disk_throughput(directory: Path, *, seconds: float = 0.5, size: int = 256 << 20) -> list[dict[str, Any]]:
     """O_DIRECT random-read throughput of the disk under `directory`, per `THROUGHPUT_GRID` cell (a test
     file of `size` random bytes is written there and removed). Empty where O_DIRECT is refused."""
-    from .disk import random_read_throughput, supports_direct, write_test_file
+    from ..store.disk import random_read_throughput, supports_direct, write_test_file
 
     if not supports_direct(directory):
         return []

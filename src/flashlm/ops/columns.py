@@ -24,20 +24,18 @@ is in fp32 whatever the path.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
-import json
 import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .._measurements import recall, remember
 from .._native import load_library, typed_functions
-from .._utils import cache_dir
-from ..errors import CacheDirError
 
 SOURCE = Path(__file__).with_name("_columns.c")
 PREFILL_TOKENS = 32
@@ -127,7 +125,7 @@ def torch_fp32(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> Non
         out.addmm_(coef[:, first:last], rows[first:last].float())
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ColumnProduct:
     """The measured choice of implementation for one (rows dtype, width): one for a decode step's few
     tokens, one for a prompt's many. Call it as `product(out, coef, rows)` (`out += coef @ rows`)."""
@@ -212,44 +210,15 @@ def _machine_key(dtype: torch.dtype, width: int, threads: int, density: float) -
     return "|".join([*machine, str(dtype), str(width), str(threads), f"{density:.2f}"])
 
 
-def _measurements_path() -> Path | None:
-    try:
-        return cache_dir() / "measurements" / MEASUREMENTS
-    except CacheDirError:
-        return None  # an unwritable cache: measure at every load
-
-
-def _remembered(key: str) -> ColumnProduct | None:
-    path = _measurements_path()
-    try:
-        entry = json.loads(path.read_text())[key] if path is not None else None
-        return ColumnProduct(entry["decode"], entry["prefill"], entry["timings_ms"]) if entry else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # missing or damaged: measure again (and rewrite it)
-
-
-def _remember(key: str, product: ColumnProduct) -> None:
-    path = _measurements_path()
-    if path is None:
-        return
-    try:
-        known = json.loads(path.read_text())
-        known = known if isinstance(known, dict) else {}
-    except (OSError, ValueError):
-        known = {}
-    known[key] = {"decode": product.decode, "prefill": product.prefill, "timings_ms": product.timings_ms}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(known, indent=1))
-    os.replace(tmp, path)  # another process's concurrent write may win: both hold valid choices
-
-
 @functools.cache
 def _measure(dtype: torch.dtype, width: int, threads: int, density: float) -> ColumnProduct:
     """`ColumnProduct.measure`, memoized per torch thread count too, and remembered per machine."""
     key = _machine_key(dtype, width, threads, density)
-    if (product := _remembered(key)) is not None:
-        return product
+    if (entry := recall(MEASUREMENTS, key)) is not None:
+        try:
+            return ColumnProduct(**entry)
+        except TypeError:
+            pass  # an entry of another shape: measure again
     candidates = (
         ["native", "torch", "torch-fp32"] if _native_functions() is not None else ["torch", "torch-fp32"]
     )
@@ -270,7 +239,7 @@ def _measure(dtype: torch.dtype, width: int, threads: int, density: float) -> Co
             timings[bucket][name] = 1e3 * _time(call, cold=rows if tokens == 1 else None)
         best[bucket] = min(timings[bucket], key=timings[bucket].get)
     product = ColumnProduct(best["decode"], best["prefill"], timings)
-    _remember(key, product)
+    remember(MEASUREMENTS, key, dataclasses.asdict(product))
     return product
 
 

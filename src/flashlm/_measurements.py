@@ -1,0 +1,51 @@
+"""Measurements of the machine at hand, remembered in flashlm's cache (`<cache>/measurements/*.json`).
+
+Choices made by timing (which column product is fastest, how many requests the disk wants in flight)
+are measured once per machine and reused by later loads: re-measuring at every load would cost time
+and could choose differently from one run to the next. Each file maps a key (what the measurement
+depends on) to a JSON object. A missing, damaged or unwritable file only means measuring again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ._utils import cache_dir
+from .errors import CacheDirError
+
+
+def _path(name: str) -> Path | None:
+    try:
+        return cache_dir() / "measurements" / name
+    except CacheDirError:
+        return None  # an unwritable cache: measure at every load
+
+
+def recall(name: str, key: str) -> dict[str, Any] | None:
+    """The entry remembered under `key` in measurements file `name`, or None."""
+    path = _path(name)
+    try:
+        entry = json.loads(path.read_text())[key] if path is not None else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # missing or damaged: measure again (and rewrite it)
+    return entry if isinstance(entry, dict) else None
+
+
+def remember(name: str, key: str, entry: dict[str, Any]) -> None:
+    """Store `entry` under `key` in measurements file `name` (written to a temporary name, renamed)."""
+    path = _path(name)
+    if path is None:
+        return
+    try:
+        known = json.loads(path.read_text())
+        known = known if isinstance(known, dict) else {}
+    except (OSError, ValueError):
+        known = {}
+    known[key] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(known, indent=1))
+    os.replace(tmp, path)  # another process's concurrent write may win: both hold valid measurements

@@ -1,0 +1,162 @@
+"""Random-read throughput of a disk with O_DIRECT (the page cache bypassed): the physical limit on how
+fast weights can stream from it (LLM in a flash Fig. 2b). Used by `flashlm bench` for each
+configuration's bound, and by `benchmarks/reader_throughput.py` for the full chunk x threads grid."""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import random
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .rowfile import ALIGNMENT
+
+
+def supports_direct(directory: Path) -> bool:
+    """Whether files in `directory` can be opened with O_DIRECT (tmpfs answers EINVAL)."""
+    probe = directory / ".flashlm-odirect-probe"
+    probe.write_bytes(b"\0" * ALIGNMENT)
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
+
+
+def write_test_file(path: Path, size: int) -> None:
+    """Random bytes (so no layer can compress or dedupe them), fsynced so reads hit the disk."""
+    block = np.random.default_rng(0).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes()
+    with open(path, "wb") as f:
+        for written in range(0, size, len(block)):
+            f.write(block[: min(len(block), size - written)])
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def random_read_throughput(path: Path | Sequence[Path], chunk: int, threads: int, seconds: float) -> dict:
+    """`threads` threads each issuing O_DIRECT preads of `chunk` bytes at random aligned offsets of the
+    file `path` (of one of the files `path`, chosen in proportion to their sizes)."""
+    paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    slots = [(os.path.getsize(p) - chunk) // ALIGNMENT for p in paths]
+    if max(slots, default=-1) < 0:
+        raise ValueError(f"No file to read {chunk}-byte chunks from: every one is smaller.")
+    paths, slots = zip(*((p, n) for p, n in zip(paths, slots, strict=True) if n >= 0), strict=True)
+    stop = time.perf_counter() + seconds
+    counts = [0] * threads
+    latencies: list[list[float]] = [[] for _ in range(threads)]
+
+    def worker(t: int) -> None:
+        fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
+        buf = mmap.mmap(-1, chunk)
+        rng = random.Random(t)
+        try:
+            while (now := time.perf_counter()) < stop:
+                (i,) = rng.choices(range(len(fds)), weights=slots) if len(fds) > 1 else (0,)
+                os.preadv(fds[i], [buf], rng.randrange(slots[i] + 1) * ALIGNMENT)
+                latencies[t].append(time.perf_counter() - now)
+                counts[t] += 1
+        finally:
+            for fd in fds:
+                os.close(fd)
+            buf.close()
+
+    start = time.perf_counter()
+    workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    elapsed = time.perf_counter() - start
+    reads = sum(counts)
+    all_lat = np.concatenate([np.asarray(lat) for lat in latencies])
+    return {
+        "chunk_bytes": chunk,
+        "threads": threads,
+        "reads": reads,
+        "seconds": elapsed,
+        "reads_per_s": reads / elapsed,
+        "bytes_per_s": reads * chunk / elapsed,
+        "latency_mean_s": float(all_lat.mean()),
+        "latency_p50_s": float(np.median(all_lat)),
+    }
+
+
+PROFILE_THREADS = (4, 8, 16)
+"""Requests in flight the disk profile tries (fewer is kept unless more is clearly faster: every
+reader thread also costs CPU time that decoding shares)."""
+PROFILE_SECONDS = 0.15
+"""Seconds each cell of the disk profile reads for."""
+PROFILE_MIN_BYTES = 64 << 20
+"""Smallest set of files worth profiling: reads of less would mostly hit the device's own cache."""
+PROFILE_SMALL, PROFILE_MEDIUM, PROFILE_LARGE = 4096, 64 << 10, 256 << 10
+"""Request sizes of the profile: one page (the cost of a request), the size that picks the
+concurrency, and a large read (the bandwidth)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskProfile:
+    """What the disk under a store does with O_DIRECT random reads, measured (`disk_profile`).
+
+    `threads`: requests in flight; `request_cost_s`: amortized seconds of one 4 KiB read at that
+    concurrency; `bandwidth`: bytes/s of 256 KiB reads at that concurrency.
+    """
+
+    threads: int
+    request_cost_s: float
+    bandwidth: float
+
+    @property
+    def merge_gap_bytes(self) -> int:
+        """The gap worth over-reading rather than skipping with another request, on this disk."""
+        from .reader import break_even_gap_bytes
+
+        return break_even_gap_bytes(self.request_cost_s, self.bandwidth)
+
+
+def measure_disk(paths: Sequence[Path], seconds: float | None = None) -> DiskProfile:
+    """Profile the disk holding `paths` (files opened with O_DIRECT) by reading them at random: the
+    fewest `PROFILE_THREADS` whose 64 KiB reads reach 90% of the best, then the request cost and the
+    bandwidth at that concurrency (each cell reads for `seconds`, default `PROFILE_SECONDS`)."""
+    seconds = PROFILE_SECONDS if seconds is None else seconds
+    by_threads = {t: random_read_throughput(paths, PROFILE_MEDIUM, t, seconds) for t in PROFILE_THREADS}
+    best = max(cell["bytes_per_s"] for cell in by_threads.values())
+    threads = min(t for t, cell in by_threads.items() if cell["bytes_per_s"] >= 0.9 * best)
+    small = random_read_throughput(paths, PROFILE_SMALL, threads, seconds)
+    large = random_read_throughput(paths, PROFILE_LARGE, threads, seconds)
+    return DiskProfile(threads, 1 / small["reads_per_s"], large["bytes_per_s"])
+
+
+DISK_PROFILES = "disk_profiles.json"
+"""Measurements file (`flashlm._measurements`) of the disks profiled on this machine."""
+
+
+def disk_profile(paths: Sequence[Path]) -> DiskProfile | None:
+    """The profile of the disk holding the files `paths`, measured the first time a store on it is
+    read and remembered; None where it cannot be measured (O_DIRECT refused, or less than
+    `PROFILE_MIN_BYTES` of files: their reads would come from the device's cache)."""
+    from .._measurements import recall, remember
+
+    paths = sorted({Path(p) for p in paths})
+    if not paths or sum(p.stat().st_size for p in paths) < PROFILE_MIN_BYTES:
+        return None
+    device = os.stat(paths[0]).st_dev
+    key = f"{os.uname().nodename}|{os.major(device)}:{os.minor(device)}"
+    if (entry := recall(DISK_PROFILES, key)) is not None:
+        try:
+            return DiskProfile(**entry)
+        except TypeError:
+            pass  # an entry of another shape: measure again
+    try:
+        profile = measure_disk(paths)
+    except (OSError, ValueError):
+        return None  # O_DIRECT refused, or no file large enough for a 256 KiB read
+    remember(DISK_PROFILES, key, dataclasses.asdict(profile))
+    return profile
