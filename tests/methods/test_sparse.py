@@ -413,6 +413,43 @@ def test_read_ahead_changes_nothing_but_the_reads(options, tiny_llama) -> None:
     assert totals_ahead["bytes_read"] >= totals["bytes_read"] > 0
 
 
+@pytest.mark.parametrize("gamma", [1.0, 0.2])
+def test_guessed_reads_are_counted_and_change_plain_dip_not_at_all(gamma, tiny_llama, monkeypatch) -> None:
+    """Where DIP does not read every input ahead, a decode step reads ahead the inputs the next layer
+    would select for this layer's input. Plain DIP's selection ignores the cache, so the guess changes
+    nothing but the reads; DIP-CA counts guessed units as resident, so its selection may differ. Either
+    way every byte the reader read is in the stats, and no guess is left in flight."""
+    path, _, store = tiny_llama
+    monkeypatch.setattr(
+        sparse_module, "reads_ahead", lambda config, store, calibration: bool(config.read_ahead)
+    )
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(13))
+    runs = {}
+    for read_ahead in (False, None):
+        model = load(path, store, method="dip", density=0.6, cache_aware=gamma, read_ahead=read_ahead)
+        module = streaming_mlps(model)[0]
+        runtime = module.runtime
+        assert runtime.read_ahead == () and module.guesses_ahead == (read_ahead is None)
+        guesses = []
+        monkeypatch.setattr(
+            runtime, "guess", lambda *args, g=runtime.guess, seen=guesses: (seen.append(args), g(*args))
+        )
+        with torch.no_grad():
+            logits = model(ids).logits
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        runtime.drain()
+        assert runtime._guess is None
+        assert flashlm.stats(model).totals()["bytes_read"] == runtime.reader.bytes_read > 0
+        runs[read_ahead] = (logits, tokens, flashlm.stats(model).totals(decode_only=True), len(guesses))
+    (logits, tokens, totals, _), (logits_g, tokens_g, totals_g, guessed) = runs[False], runs[None]
+    layers = len(streaming_mlps(model))
+    assert guessed == 5 * (layers - 1)  # every decode step, every layer but the last, and no prefill
+    torch.testing.assert_close(logits, logits_g)
+    if gamma == 1.0:
+        assert torch.equal(tokens, tokens_g)
+        assert (totals["hits"], totals["misses"]) == (totals_g["hits"], totals_g["misses"])
+
+
 def test_reads_ahead_where_the_reader_would_read_the_gaps_anyway() -> None:
     from types import SimpleNamespace
 

@@ -48,6 +48,18 @@ LayerFetch = dict[str, Fetch]
 """A layer's fetches, by kind."""
 
 
+@dataclass(frozen=True)
+class Guess:
+    """A read, started a layer early, of the units a layer will probably select (`FlashRuntime.guess`):
+    `ids` land in place in staging buffer `buffer` of `kind`."""
+
+    layer: int
+    kind: str
+    buffer: int
+    ids: torch.Tensor
+    pending: Future[Fetch]
+
+
 class Runtime:
     """What the modules of one patched model share whatever their method (see the module docstring).
 
@@ -203,6 +215,8 @@ class FlashRuntime(Runtime):
         """(layer, buffer, kinds) of the read `_pending` is doing."""
         self._updates: dict[tuple[int, str], Future[None]] = {}
         """The cache update each (layer, kind) has queued on the I/O thread (`update_later`)."""
+        self._guess: Guess | None = None
+        """The read `guess` started for the next layer, until that layer `take_guess`es it."""
         self.trace = TraceRecorder() if config.record_trace else None
         self.every_unit_resident = False
         """True once every cache holds every unit of its layer (a budget that fits the whole MLP): then
@@ -329,19 +343,57 @@ class FlashRuntime(Runtime):
     def _read_kinds(self, layer: int, plan: dict[str, torch.Tensor], buffer: int) -> LayerFetch:
         return {kind: self.read(layer, kind, ids, buffer) for kind, ids in plan.items()}
 
-    def submit(self, layer: int, kind: str, ids: torch.Tensor) -> Future[Fetch]:
-        """`read` on the I/O thread (staging buffer 0), or, with nothing to read, a finished one without
-        the thread hop."""
+    def submit(self, layer: int, kind: str, ids: torch.Tensor, buffer: int = 0) -> Future[Fetch]:
+        """`read` on the I/O thread, or, with nothing to read, a finished one without the thread hop."""
         if ids.numel():
-            return self._io.submit(self.read, layer, kind, ids)
-        return self._finished(self.read(layer, kind, ids))
+            return self._io.submit(self.read, layer, kind, ids, buffer)
+        return self._finished(self.read(layer, kind, ids, buffer))
+
+    def guess(self, layer: int, kind: str, ids: torch.Tensor, buffer: int) -> None:
+        """Start reading units `ids` of `layer`'s `kind`, which its forward will probably select, into
+        staging buffer `buffer` (one the forward running now does not use). Queued after the reads and
+        cache updates already submitted, so it overlaps the compute between here and that layer."""
+        self.take_guess(-1, kind)  # one guess at a time: an unclaimed one is waited for and dropped
+        self._guess = Guess(layer, kind, buffer, ids, self.submit(layer, kind, ids, buffer))
+
+    def take_guess(self, layer: int, kind: str) -> Guess | None:
+        """The guess started for `layer`'s `kind`, if that is the one outstanding (any other is waited for
+        and dropped: its bytes were read, but no forward will use them)."""
+        guess, self._guess = self._guess, None
+        if guess is not None and (guess.layer, guess.kind) == (layer, kind):
+            return guess
+        if guess is not None:
+            wasted = guess.pending.result()
+            self.stats.record(guess.layer, bytes_read=wasted.bytes_read, reads=wasted.reads)
+        return None
+
+    def submit_after(self, guess: Guess, miss_ids: torch.Tensor) -> Future[Fetch]:
+        """The read of a layer's misses `miss_ids` whose guess was `guess`: what the guess did not read
+        lands beside it in the same staging buffer. The fetch covers the guessed and the further ids
+        (the guessed ones the layer did not select get zero coefficients) and counts both reads."""
+
+        def complete() -> Fetch:
+            guessed = guess.pending.result()
+            staged = torch.zeros(guessed.matrix.shape[0], dtype=torch.bool)
+            staged[guess.ids] = True
+            further = self.read(guess.layer, guess.kind, miss_ids[~staged[miss_ids]], guess.buffer)
+            return Fetch(
+                torch.cat((guess.ids, further.ids)),
+                guessed.matrix,
+                guessed.bytes_read + further.bytes_read,
+                guessed.reads + further.reads,
+                guessed.busy_s + further.busy_s,
+            )
+
+        return self._io.submit(complete)
 
     def drain(self) -> None:
-        """Wait for and drop an outstanding prefetch, and for queued cache updates (before the caches are
-        read or changed outside a forward)."""
+        """Wait for and drop an outstanding prefetch or guess, and for queued cache updates (before the
+        caches are read or changed outside a forward)."""
         pending, self._pending, self._pending_for = self._pending, None, None
         if pending is not None:
             pending.result()
+        self.take_guess(-1, "")
         for key in list(self._updates):
             self.settle(*key)
 

@@ -235,6 +235,9 @@ class SparseMLP(FlashMLP):
             kind: runtime.store.row_file(layer, kind).row_bytes
             for kind in (self.INPUT_KIND, self.OUTPUT_KIND)
         }
+        self.guesses_ahead = False
+        """Whether a decode step's first stage reads the next layer's likely input units
+        (`_guess_next_layer`); methods whose first selection depends on the input may turn it on."""
         self.column_products: dict[int, ColumnProduct] = {}
         """The measured implementation of each width of column product this method computes
         (`measure_products`, which `build` calls at load; else measured on first use)."""
@@ -360,7 +363,11 @@ class SparseMLP(FlashMLP):
         if sequential:
             return self._sequential_stage(kind, cache, select, values, times)
         started = perf_counter()
-        mask = select(values, self._residency(cache))
+        guess = runtime.take_guess(layer, kind) if kind == self.INPUT_KIND and self.guesses_ahead else None
+        resident = self._residency(cache)
+        if guess is not None and resident is not None:
+            resident = resident.index_fill(0, guess.ids, True)  # guessed units are read already, too
+        mask = select(values, resident)
         ids = runtime.unit_ids[: cache.num_units] if mask is None else union_ids(mask)
         selected = perf_counter()
         miss_ids = cache.find_misses(ids)
@@ -370,8 +377,12 @@ class SparseMLP(FlashMLP):
         elif kind in runtime.read_ahead:
             # Every uncached unit, needed or not: the unneeded ones get zero coefficients.
             pending = runtime.read_layer(layer)
+        elif guess is not None:
+            pending = runtime.submit_after(guess, miss_ids)
         else:
             pending = runtime.submit(layer, kind, miss_ids)
+        if kind == self.INPUT_KIND and self.guesses_ahead and values.shape[0] == 1:
+            self._guess_next_layer(values, 1 - (0 if guess is None else guess.buffer))
         submitted = perf_counter()
         times.select_s += selected - started
         times.lookup_s += looked_up - selected
@@ -393,6 +404,20 @@ class SparseMLP(FlashMLP):
             times.update_s += perf_counter() - updating
 
         return mask, parts, finish
+
+    def _guess_next_layer(self, x: torch.Tensor, buffer: int) -> None:
+        """Start reading the input units the next layer would select for this layer's input `x`, into the
+        staging buffer this layer does not use (DIP's layer-ahead read). The residual stream changes
+        little from one layer to the next, so most of them will be selected there (and with cache-aware
+        selection, the units read this way count as resident, which pulls the selection towards them)."""
+        runtime, following = self.runtime, self.layer + 1
+        if following == runtime.num_layers:
+            return  # the next token's first layer sees a new embedding: nothing to guess from
+        runtime.settle(following, self.INPUT_KIND)
+        cache = runtime.caches[(following, self.INPUT_KIND)]
+        mask = self.select_input(x, self._residency(cache))
+        ids = runtime.unit_ids[: cache.num_units] if mask is None else union_ids(mask)
+        runtime.guess(following, self.INPUT_KIND, ids[cache.slot_of[ids] < 0], buffer)
 
     def _sequential_stage(self, kind, cache: NeuronCache, select, values: torch.Tensor, times: _StageTimes):
         """Read the whole matrix, then select and update the cache token by token, as decoding would."""
@@ -502,6 +527,10 @@ class DIPMLP(SparseMLP):
         super().__init__(*args, **kwargs)
         self.k_in = k_in
         self.input_threshold = input_threshold
+        runtime = self.runtime
+        self.guesses_ahead = (
+            runtime.config.read_ahead is not False and self.INPUT_KIND not in runtime.read_ahead
+        )
 
     def extra_repr(self) -> str:
         threshold = "" if self.input_threshold is None else f", input_threshold={self.input_threshold:.4g}"
