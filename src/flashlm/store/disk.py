@@ -10,7 +10,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -122,16 +122,49 @@ class DiskProfile:
 
 
 def measure_disk(paths: Sequence[Path], seconds: float | None = None) -> DiskProfile:
-    """Profile the disk holding `paths` (files opened with O_DIRECT) by reading them at random: the
-    fewest `PROFILE_THREADS` whose 64 KiB reads reach 90% of the best, then the request cost and the
-    bandwidth at that concurrency (each cell reads for `seconds`, default `PROFILE_SECONDS`)."""
+    """Profile the disk holding `paths` (files opened with O_DIRECT) by reading them at random while
+    this thread computes as a decode step does (`_under_compute`): the fewest `PROFILE_THREADS` whose
+    64 KiB reads reach 90% of the best, then the request cost and the bandwidth at that concurrency
+    (each cell reads for `seconds`, default `PROFILE_SECONDS`).
+
+    The compute matters: on two busy cores a reader thread whose request completed waits for a time
+    slice before it issues the next, so more requests must be in flight than an idle machine needs.
+    """
     seconds = PROFILE_SECONDS if seconds is None else seconds
-    by_threads = {t: random_read_throughput(paths, PROFILE_MEDIUM, t, seconds) for t in PROFILE_THREADS}
-    best = max(cell["bytes_per_s"] for cell in by_threads.values())
-    threads = min(t for t, cell in by_threads.items() if cell["bytes_per_s"] >= 0.9 * best)
-    small = random_read_throughput(paths, PROFILE_SMALL, threads, seconds)
-    large = random_read_throughput(paths, PROFILE_LARGE, threads, seconds)
+
+    def cell(chunk: int, threads: int) -> dict:
+        return _under_compute(lambda: random_read_throughput(paths, chunk, threads, seconds))
+
+    by_threads = {t: cell(PROFILE_MEDIUM, t) for t in PROFILE_THREADS}
+    best = max(c["bytes_per_s"] for c in by_threads.values())
+    threads = min(t for t, c in by_threads.items() if c["bytes_per_s"] >= 0.9 * best)
+    small, large = cell(PROFILE_SMALL, threads), cell(PROFILE_LARGE, threads)
     return DiskProfile(threads, 1 / small["reads_per_s"], large["bytes_per_s"])
+
+
+def _under_compute(read: Callable[[], dict]) -> dict:
+    """`read()` on another thread while this one runs matrix-vector products on torch's threads."""
+    import torch
+
+    result: list[dict] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(read())
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            errors.append(exc)
+
+    weights = torch.ones(4096, 1024, dtype=torch.bfloat16)  # 8 MiB: past the CPU caches, like a layer
+    vector = torch.ones(1, 1024, dtype=torch.bfloat16)
+    worker = threading.Thread(target=run)
+    worker.start()
+    while worker.is_alive():
+        torch.nn.functional.linear(vector, weights)
+    worker.join()
+    if errors:
+        raise errors[0]
+    return result[0]
 
 
 DISK_PROFILES = "disk_profiles.json"
