@@ -381,10 +381,10 @@ class SparseMLP(FlashMLP):
             pending = runtime.submit_after(guess, miss_ids)
         else:
             pending = runtime.submit(layer, kind, miss_ids)
+        submitted = perf_counter()
         if kind == self.INPUT_KIND and self.guesses_ahead and values.shape[0] == 1:
             self._guess_next_layer(values, 1 - (0 if guess is None else guess.buffer))
-        submitted = perf_counter()
-        times.select_s += selected - started
+        times.select_s += selected - started + perf_counter() - submitted  # the guess is a selection
         times.lookup_s += looked_up - selected
         times.submit_s += submitted - looked_up
         whole = runtime.unit_ids[: cache.num_units] if early is not None else None
