@@ -136,9 +136,9 @@ class FlashConfig(QuantizationConfigMixin):
             them anyway (small units, high input density); otherwise DIP reads, a layer ahead, the
             input columns the next layer would select for this layer's input (the residual stream
             changes little between layers), and only the rest when that layer runs. `False` makes
-            each layer read what it
-            needs when it needs it: slower, but its compute then runs without reads beside it (for
-            measuring what overlapped I/O costs the compute). The output is unchanged.
+            each layer read what it needs when it needs it: slower, but its compute then runs
+            without reads beside it (for measuring what overlapped I/O costs the compute). The
+            output is unchanged, but for DIP-CA's with the guess (guessed columns count as resident).
         sequential_prefill: compute a multi-token forward exactly as that many one-token decode
             steps would (cache-aware masks see the cache evolve token by token) instead of masking
             every token against the cache as it was when the forward began. Slower; the perplexity
