@@ -27,6 +27,7 @@ from flashlm.training.relufy import (
     TRAIN_DIR,
     NotRelufiedError,
     cast_parameters,
+    load_checkpoint,
     load_relufied,
     main,
     save_relufied,
@@ -105,6 +106,7 @@ def test_the_saved_checkpoint_reloads_with_identical_logits(tmp_path, thresholds
 
     reloaded = load_relufied(saved)
     assert torch.equal(_logits(reloaded, ids), expected)
+    assert torch.equal(_logits(load_checkpoint(saved), ids), expected)  # recognises the record itself
     assert all(isinstance(a.module, FATReLU) for a in activations(reloaded))
     expected_thresholds = [0.0, 0.0] if thresholds == 0.0 else thresholds
     assert [a.module.threshold.item() for a in activations(reloaded)] == pytest.approx(expected_thresholds)
@@ -134,6 +136,8 @@ def test_the_saved_checkpoint_reloads_with_identical_logits(tmp_path, thresholds
 def test_load_relufied_refuses_a_checkpoint_it_did_not_write(make_tiny_checkpoint):
     with pytest.raises(NotRelufiedError, match="from_pretrained"):
         load_relufied(make_tiny_checkpoint("llama"))
+    plain = load_checkpoint(make_tiny_checkpoint("llama"))  # the loader for either kind
+    assert not plain.training and not any(isinstance(a.module, FATReLU) for a in activations(plain))
 
 
 # ---- the recipe ------------------------------------------------------------------------------------

@@ -64,3 +64,37 @@ def test_the_cli_trains_and_reports_per_layer(tiny_opt, tmp_path, capsys):
     assert out.splitlines()[0].split()[:4] == ["layer", "rank", "threshold", "recall"]
     assert "% of the MLP parameters" in out
     assert len(Predictors.load(store)) == 2
+
+
+def test_a_relufied_checkpoint_trains_with_its_thresholds_and_streams_after_patch(tmp_path):
+    """A FATReLU checkpoint (`flashlm train relufy`) does not load with plain `from_pretrained`; the
+    workflow loads it with its thresholds (`load_checkpoint`), and `flashlm.patch` streams it: the
+    labels are its FATReLU's exact zeros, and the patched model keeps the FATReLU modules."""
+    from conftest import build_tiny_model
+
+    from flashlm.training.activations import FATReLU, relufy
+    from flashlm.training.relufy import load_checkpoint, save_relufied
+
+    model = build_tiny_model("llama").float()
+    relufy(model, [0.05, 0.1])
+    path = save_relufied(model, tmp_path / "relufied")
+    save_word_tokenizer(path)
+    store = tmp_path / "store"
+    options = TrainOptions(ranks=(8, 16), epochs=3, target_recall=0.9)
+    trained = train_store_predictors(
+        path, tokens=1024, sequence_length=64, options=options, store=store, progress=False
+    )
+    # exact zeros of a thresholded ReLU are fewer than half the neurons: a plain ReLU's labels would differ
+    assert all(0 < report.label_density < 1 for report in trained.reports)
+
+    loaded = load_checkpoint(path)
+    config = flashlm.FlashConfig(method="predictor", density=0.9, store=str(store), memory_budget=10**7)
+    patched = flashlm.patch(load_checkpoint(path), config, progress=False)
+    modules = streaming_mlps(patched)
+    assert [type(m.act) for m in modules] == [FATReLU, FATReLU]
+    assert [m.act.threshold.item() for m in modules] == pytest.approx([0.05, 0.1])
+    ids = torch.randint(3, 30, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        streamed, dense = patched(ids).logits, loaded(ids).logits
+    assert streamed.shape == dense.shape and torch.isfinite(streamed).all()
+    assert 0 < flashlm.stats(patched).totals()["density"] < 1

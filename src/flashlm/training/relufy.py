@@ -215,6 +215,17 @@ def load_relufied(path: str | os.PathLike, *, dtype: torch.dtype | None = None, 
     return model.eval()
 
 
+def load_checkpoint(path: str | os.PathLike, **kwargs: Any) -> nn.Module:
+    """The checkpoint at `path` in memory, eval mode: `load_relufied` for one this recipe wrote (its
+    config records the relufication), `AutoModelForCausalLM.from_pretrained` for any other. `kwargs`
+    go to `from_pretrained`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if isinstance(getattr(AutoConfig.from_pretrained(path), CONFIG_FIELD, None), dict):
+        return load_relufied(path, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+
+
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 

@@ -37,7 +37,9 @@ def train_store_predictors(
     magnitude otherwise); `store` the store to save beside (default: the model's, converted if
     missing).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from ..training.relufy import load_checkpoint
 
     if tokens < sequence_length or sequence_length < 2:
         raise ConfigError(
@@ -52,7 +54,7 @@ def train_store_predictors(
             f"the {tokens} asked for: ask for fewer tokens or pick a larger corpus."
         )
     windows = ids[: tokens - tokens % sequence_length].view(-1, 1, sequence_length)
-    dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    dense = load_checkpoint(path, dtype=torch.float32)  # a relufied one with its FATReLU thresholds
     samples = collect_activations(dense, list(windows), rule=rule, max_rows=tokens, progress=progress)
     del dense
     predictors = train_predictors(samples, options, progress=progress)
