@@ -1,0 +1,249 @@
+"""Predictor-based loading on a relufied model (issue 17, item 5): predictor quality, perplexity, the
+sliding window, and decode speed against dense streaming and DIP-CA at equal memory.
+
+One command, four parts, written to `<out>/report.md` (and `results.json`):
+
+1. **Predictors**: `flashlm.workflows.predictors.train_store_predictors` on the relufied checkpoint
+   (`flashlm train relufy` wrote it), saved beside its store; per layer the rank PowerInfer's rank
+   growth chose, held-out recall and precision, predicted against true density, size as % of the
+   MLP. The same on the plain SwiGLU checkpoint with "active" = the top `--swiglu-top` of
+   |act(gate)·up| (the DIP paper's claim: SwiGLU magnitudes are hard to predict).
+2. **Perplexity** on each corpus: the relufied model in RAM (equal to the oracle mask: a FATReLU
+   neuron outside the true active set contributes exactly zero) and with `method="predictor"`;
+   the plain SwiGLU model for reference.
+3. **Window**: decoding with `predictor-window:K` for several K, the new neurons read per token as a
+   share of all neurons (LLM in a flash §3.1: 10% -> 2.4% at k = 5 on OPT 6.7B).
+4. **Decode** at `--memory-budget` (default 50% of the MLP bytes), each row in its own process, the
+   relufied model loaded with its thresholds and patched: dense streaming, DIP-CA, the predictor,
+   the predictor with a window; tokens/s, MB and requests per token, hit rate.
+
+    python benchmarks/predictor_results.py --relufied bench-results/relufy/smollm2-fatrelu/model \\
+        --out bench-results/predictors
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden screw press. Explain why this mattered."
+)
+DECODE_ROWS = {
+    "dense": {},
+    "dip-ca@0.6": {"method": "dip", "density": 0.6, "cache_aware": 0.2},
+    "predictor": {"method": "predictor", "density": 0.5},
+    "predictor-window:5": {"method": "predictor", "density": 0.5, "policy": "window", "window": 5},
+}
+
+
+def load_patched(path: Path, options: dict[str, Any]):
+    """The checkpoint (relufied or not) in memory, its MLPs swapped by flashlm with `options`."""
+    import torch
+
+    import flashlm
+    from flashlm.training.relufy import load_checkpoint
+
+    model = load_checkpoint(path, dtype=torch.bfloat16)
+    return flashlm.patch(model, flashlm.FlashConfig(**options), progress=False)
+
+
+def decode(path: Path, options: dict[str, Any], new_tokens: int) -> dict[str, Any]:
+    """Prefill the prompt, decode `new_tokens` greedily; tokens/s and the stats of the decode steps."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import flashlm
+
+    model = load_patched(path, options)
+    ids = AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt").input_ids
+    steps = []
+    with torch.inference_mode():
+        out = model(input_ids=ids, use_cache=True)
+        flashlm.stats(model, reset=True)
+        for _ in range(new_tokens):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            started = time.perf_counter()
+            out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+            steps.append(time.perf_counter() - started)
+    snapshot = flashlm.stats(model)
+    totals = snapshot.totals(decode_only=True)
+    return {
+        "decode_tok_s": len(steps) / sum(steps),
+        "read_mb_per_token": totals["bytes_read_per_step"] / 1e6,
+        "reads_per_token": totals["reads_per_step"],
+        "misses_per_token": totals["misses"] / totals["steps"],
+        "hit_rate": totals["hit_rate"],
+        "density": snapshot.density(decode_only=True),
+    }
+
+
+def child(args: argparse.Namespace) -> None:
+    spec = json.loads(args.child)
+    print("RESULT " + json.dumps(decode(Path(spec["path"]), spec["options"], spec["new_tokens"])))
+
+
+def in_subprocess(path: Path, options: dict[str, Any], new_tokens: int) -> dict[str, Any]:
+    spec = json.dumps({"path": str(path), "options": options, "new_tokens": new_tokens})
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", spec], capture_output=True, text=True, env=env
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        raise RuntimeError(f"decode of {options} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def predictor_table(reports) -> list[str]:
+    lines = [
+        "| layer | rank | recall | precision | predicted density | true density | % of MLP |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in reports:
+        lines.append(
+            f"| {r.layer} | {r.rank} | {r.recall:.3f} | {r.precision:.3f} | {r.density:.3f} "
+            f"| {r.label_density:.3f} | {r.size_percent:.1f}% |"
+        )
+    mean = {k: sum(getattr(r, k) for r in reports) / len(reports) for k in ("recall", "precision")}
+    lines.append(f"| mean | | {mean['recall']:.3f} | {mean['precision']:.3f} | | | |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--relufied", type=Path, help="checkpoint written by flashlm train relufy")
+    parser.add_argument("--swiglu", default=None, help="the plain checkpoint (default: the embedded SmolLM2)")
+    parser.add_argument("--swiglu-top", type=float, default=0.15, help="SwiGLU 'active' = this top share")
+    parser.add_argument("--train-tokens", type=int, default=16384)
+    parser.add_argument("--target-recall", type=float, default=0.95)
+    parser.add_argument("--corpora", default="shakespeare,jargon")
+    parser.add_argument("--ppl-tokens", type=int, default=1024)
+    parser.add_argument("--windows", default="1,2,5,8")
+    parser.add_argument("--memory-budget", default="50%")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=Path("bench-results/predictors"))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    if args.relufied is None:
+        parser.error("--relufied is required")
+
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from flashlm.data.corpora import corpus_tokens
+    from flashlm.data.models import model_path
+    from flashlm.eval.perplexity import perplexity
+    from flashlm.predictors import LabelRule, TrainOptions
+    from flashlm.training.relufy import load_checkpoint
+    from flashlm.workflows.predictors import train_store_predictors
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    swiglu = Path(model_path(args.swiglu))
+    options = TrainOptions(target_recall=args.target_recall)
+    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    report = [f"# Predictor-based loading: {args.relufied}", ""]
+
+    # 1. predictors
+    started = time.perf_counter()
+    store = args.out / "relufied.flash"  # one store for training and loading (`patch` keys its own by name)
+    relu_predictors = train_store_predictors(
+        args.relufied, tokens=args.train_tokens, options=options, store=store
+    )
+    relu_s = time.perf_counter() - started
+    started = time.perf_counter()
+    swiglu_predictors = train_store_predictors(
+        swiglu, tokens=args.train_tokens, rule=LabelRule.top(args.swiglu_top), options=options
+    )
+    swiglu_s = time.perf_counter() - started
+    for name, predictors, seconds in (
+        ("relufied (active = exactly nonzero)", relu_predictors, relu_s),
+        (f"plain SwiGLU (active = top {args.swiglu_top:.0%} of |act(gate)·up|)", swiglu_predictors, swiglu_s),
+    ):
+        report += [
+            f"## Predictors, {name}: {args.train_tokens} calibration tokens, target recall "
+            f"{args.target_recall}, trained in {seconds:.0f} s",
+            "",
+            *predictor_table(predictors.reports),
+            "",
+        ]
+    results["predictors"] = {
+        "relufied": [vars(r) for r in relu_predictors.reports],
+        "swiglu": [vars(r) for r in swiglu_predictors.reports],
+    }
+
+    # 2. perplexity
+    tokenizer = AutoTokenizer.from_pretrained(args.relufied)
+    rows = {
+        "SwiGLU dense (in RAM)": lambda: load_checkpoint(swiglu, dtype=torch.bfloat16),
+        "relufied dense (in RAM) = oracle mask": lambda: load_checkpoint(args.relufied, dtype=torch.bfloat16),
+        "relufied + predictor": lambda: load_patched(
+            args.relufied,
+            {"method": "predictor", "density": 0.5, "memory_budget": args.memory_budget, "store": str(store)},
+        ),
+    }
+    corpora = args.corpora.split(",")
+    ppl: dict[str, dict[str, float]] = {}
+    for name, load in rows.items():
+        model = load()
+        ppl[name] = {
+            corpus: perplexity(
+                model, corpus_tokens(corpus, tokenizer), num_tokens=args.ppl_tokens, progress=False
+            ).perplexity
+            for corpus in corpora
+        }
+        del model
+    results["perplexity"] = ppl
+    report += [
+        f"## Perplexity ({args.ppl_tokens} tokens of each test split, context 512)",
+        "",
+        "| model | " + " | ".join(corpora) + " |",
+        "|---|" + "---|" * len(corpora),
+        *(f"| {name} | " + " | ".join(f"{v[c]:.2f}" for c in corpora) + " |" for name, v in ppl.items()),
+        "",
+    ]
+
+    # 3 and 4. decode rows, each in its own process
+    budget = {"memory_budget": args.memory_budget, "store": str(store.resolve())}
+    specs = {name: {**budget, **options} for name, options in DECODE_ROWS.items()}
+    for k in (int(k) for k in args.windows.split(",")):
+        specs[f"predictor-window:{k}"] = {**budget, **DECODE_ROWS["predictor-window:5"], "window": k}
+    decoded = {name: in_subprocess(args.relufied, spec, args.new_tokens) for name, spec in specs.items()}
+    results["decode"] = decoded
+    config = AutoConfig.from_pretrained(args.relufied)
+    d_ff_total = config.intermediate_size * config.num_hidden_layers
+    dense = decoded["dense"]["decode_tok_s"]
+    report += [
+        f"## Decode, relufied model, memory budget {args.memory_budget} of the MLP bytes, "
+        f"{args.new_tokens} tokens",
+        "",
+        "| configuration | tok/s | x dense | MB read/token | requests/token | new neurons/token "
+        "| MLP density | hit rate |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in decoded.items():
+        new = (
+            f"{r['misses_per_token'] / d_ff_total:.1%}" if name.startswith("predictor") else "—"
+        )  # a predictor unit is one neuron's bundle
+        report.append(
+            f"| {name} | {r['decode_tok_s']:.2f} | {r['decode_tok_s'] / dense:.2f} "
+            f"| {r['read_mb_per_token']:.1f} | {r['reads_per_token']:.0f} | {new} | {r['density']:.1%} "
+            f"| {r['hit_rate']:.1%} |"
+        )
+    (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    (args.out / "report.md").write_text("\n".join(report) + "\n")
+    print("\n".join(report))
+
+
+if __name__ == "__main__":
+    main()
