@@ -1,6 +1,7 @@
 """Random-read throughput of a disk with O_DIRECT (the page cache bypassed): the physical limit on how
-fast weights can stream from it (LLM in a flash Fig. 2b). Used by `flashlm bench` for each
-configuration's bound, and by `benchmarks/reader_throughput.py` for the full chunk x threads grid."""
+fast weights can stream from it (LLM in a flash Fig. 2b). Used by the runtimes, through `disk_profile`,
+to set the reader's concurrency and merge gap for the disk at hand; by `flashlm bench` for each
+configuration's bound; and by `benchmarks/reader_throughput.py` for the full chunk x threads grid."""
 
 from __future__ import annotations
 
