@@ -68,8 +68,9 @@ def test_the_cli_trains_and_reports_per_layer(tiny_opt, tmp_path, capsys):
 
 def test_a_relufied_checkpoint_trains_with_its_thresholds_and_streams_after_patch(tmp_path):
     """A FATReLU checkpoint (`flashlm train relufy`) does not load with plain `from_pretrained`; the
-    workflow loads it with its thresholds (`load_checkpoint`), and `flashlm.patch` streams it: the
-    labels are its FATReLU's exact zeros, and the patched model keeps the FATReLU modules."""
+    workflow loads it with its thresholds (`load_checkpoint`), and `flashlm.patch` streams it from the
+    checkpoint's own store, where the predictors were saved: the labels are its FATReLU's exact zeros,
+    and the patched model keeps the FATReLU modules."""
     from conftest import build_tiny_model
 
     from flashlm.training.activations import FATReLU, relufy
@@ -79,16 +80,14 @@ def test_a_relufied_checkpoint_trains_with_its_thresholds_and_streams_after_patc
     relufy(model, [0.05, 0.1])
     path = save_relufied(model, tmp_path / "relufied")
     save_word_tokenizer(path)
-    store = tmp_path / "store"
     options = TrainOptions(ranks=(8, 16), epochs=3, target_recall=0.9)
-    trained = train_store_predictors(
-        path, tokens=1024, sequence_length=64, options=options, store=store, progress=False
-    )
+    trained = train_store_predictors(path, tokens=1024, sequence_length=64, options=options, progress=False)
     # exact zeros of a thresholded ReLU are fewer than half the neurons: a plain ReLU's labels would differ
     assert all(0 < report.label_density < 1 for report in trained.reports)
 
     loaded = load_checkpoint(path)
-    config = flashlm.FlashConfig(method="predictor", density=0.9, store=str(store), memory_budget=10**7)
+    config = flashlm.FlashConfig(method="predictor", density=0.9, memory_budget=10**7)
+    # No store named: patch finds the checkpoint's, with the predictors (else PredictorsNotFoundError).
     patched = flashlm.patch(load_checkpoint(path), config, progress=False)
     modules = streaming_mlps(patched)
     assert [type(m.act) for m in modules] == [FATReLU, FATReLU]

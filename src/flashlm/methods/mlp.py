@@ -15,7 +15,7 @@ from ..cache import NeuronCache
 from ..engine.runtime import FlashRuntime
 from ..store import ModuleSource, SafetensorsSource, Store, add_kinds, convert, mlp_content_sha256
 from ..store.convert import layer_weights
-from ..store.location import open_or_convert
+from ..store.location import default_store_path, open_or_convert
 from .base import METHODS, MethodModule, Replacer, Target, method_class
 
 if TYPE_CHECKING:
@@ -53,6 +53,22 @@ def _open_mlp_store(
     )
 
 
+def _checkpoints_store(checkpoint_dir: str, content_sha256: str) -> Store | None:
+    """The store already converted from the checkpoint a model in memory was loaded from, if it holds
+    the same MLP weights: `flashlm.patch` then shares it (and what was fitted beside it: a calibration,
+    predictors) with the checkpoint's loaders, instead of converting a second one keyed by content."""
+    if not (Path(checkpoint_dir) / "config.json").is_file():
+        return None
+    try:
+        path = default_store_path(checkpoint_dir, SafetensorsSource(checkpoint_dir).fingerprint(), ".flash")
+    except (OSError, ValueError):
+        return None  # no safetensors files there: nothing was converted from it
+    if not path.exists():
+        return None
+    store = Store.open(path)
+    return store if store.content_sha256 == content_sha256 else None
+
+
 class MLPReplacer(Replacer):
     """Puts a `FlashMLP` in the place of every MLP of a model, reading the MLP store (`.flash`).
 
@@ -70,7 +86,9 @@ class MLPReplacer(Replacer):
         source = ModuleSource(model)
         name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         content = mlp_content_sha256(source)
-        store = _open_mlp_store(source, name, content, config, progress)
+        store = _checkpoints_store(name, content) if config.store is None else None
+        if store is None:
+            store = _open_mlp_store(source, name, content, config, progress)
         store.check_matches(model_type=source.model_type, content_sha256=content)
         return store
 
