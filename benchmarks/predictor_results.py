@@ -156,7 +156,7 @@ def main() -> None:
 
     # 1. predictors
     started = time.perf_counter()
-    store = args.out / "relufied.flash"  # one store for training and loading (`patch` keys its own by name)
+    store = args.out / "relufied.flash"  # the relufied store beside the results, for training and loading
     relu_predictors = train_store_predictors(
         args.relufied, tokens=args.train_tokens, options=options, store=store
     )
