@@ -156,8 +156,10 @@ def _under_compute(read: Callable[[], dict]) -> dict:
         except BaseException as exc:  # re-raised below, in the caller's thread
             errors.append(exc)
 
-    weights = torch.ones(4096, 1024, dtype=torch.bfloat16)  # 8 MiB: past the CPU caches, like a layer
-    vector = torch.ones(1, 1024, dtype=torch.bfloat16)
+    # 8 MiB, past the CPU caches like a layer's weights; on the CPU even under transformers' meta-device
+    # context (a runtime is built while a model loads).
+    weights = torch.ones(4096, 1024, dtype=torch.bfloat16, device="cpu")
+    vector = torch.ones(1, 1024, dtype=torch.bfloat16, device="cpu")
     worker = threading.Thread(target=run)
     worker.start()
     while worker.is_alive():
