@@ -14,7 +14,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -314,6 +316,25 @@ def smollm2_store(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 # --------------------------------------------------------------------------------------------------
 # Markers
 # --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def direct_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory whose file system accepts O_DIRECT (tmp_path may be tmpfs, which refuses it)."""
+    from flashlm.store.disk import supports_direct
+
+    for base in (tmp_path, Path("/var/tmp"), Path(__file__).resolve().parents[1] / ".pytest_cache"):
+        try:
+            base.mkdir(parents=True, exist_ok=True)
+            directory = Path(tempfile.mkdtemp(prefix="flashlm-direct-", dir=base))
+        except OSError:
+            continue
+        if supports_direct(directory):
+            yield directory
+            shutil.rmtree(directory, ignore_errors=True)
+            return
+        shutil.rmtree(directory, ignore_errors=True)
+    pytest.skip("no directory here (tmp_path, /var/tmp, .pytest_cache) supports O_DIRECT")
 
 
 def save_word_tokenizer(path: Path) -> None:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from flashlm.store import disk
-from flashlm.store.disk import DiskProfile, disk_profile, random_read_throughput, supports_direct
+from flashlm.store.disk import DiskProfile, disk_profile, random_read_throughput
 from flashlm.store.reader import ALIGNMENT, break_even_gap_bytes
 
 
@@ -24,10 +24,8 @@ def test_small_stores_are_not_profiled(tmp_path) -> None:
     assert disk_profile([]) is None
 
 
-def test_random_reads_spread_over_several_files(tmp_path) -> None:
-    if not supports_direct(tmp_path):
-        pytest.skip(f"{tmp_path} refuses O_DIRECT (tmpfs?)")
-    files = [tmp_path / f"f{i}" for i in range(3)]
+def test_random_reads_spread_over_several_files(direct_dir) -> None:
+    files = [direct_dir / f"f{i}" for i in range(3)]
     for i, f in enumerate(files):
         f.write_bytes(bytes([i]) * (4 + i) * ALIGNMENT)
     cell = random_read_throughput(files, 2 * ALIGNMENT, threads=2, seconds=0.05)
@@ -36,13 +34,11 @@ def test_random_reads_spread_over_several_files(tmp_path) -> None:
         random_read_throughput(files, 64 * ALIGNMENT, threads=1, seconds=0.01)
 
 
-def test_profile_is_measured_once_per_disk_and_remembered(tmp_path, monkeypatch) -> None:
-    if not supports_direct(tmp_path):
-        pytest.skip(f"{tmp_path} refuses O_DIRECT (tmpfs?)")
+def test_profile_is_measured_once_per_disk_and_remembered(direct_dir, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("FLASHLM_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(disk, "PROFILE_MIN_BYTES", 4 << 20)
     monkeypatch.setattr(disk, "PROFILE_SECONDS", 0.02)
-    store_files = [tmp_path / f"layer{i}.bin" for i in range(2)]
+    store_files = [direct_dir / f"layer{i}.bin" for i in range(2)]
     for f in store_files:
         f.write_bytes(b"\1" * (3 << 20))
     profile = disk_profile(store_files)

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +14,7 @@ import torch
 
 from flashlm.errors import FlashLMError, StoreCorruptError
 from flashlm.store import reader as reader_mod
+from flashlm.store.disk import supports_direct
 from flashlm.store.reader import (
     ALIGNMENT,
     DirectIOUnavailableError,
@@ -26,37 +25,6 @@ from flashlm.store.reader import (
     split_chunks,
 )
 from flashlm.store.rowfile import RowFile
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _direct_ok(directory: Path) -> bool:
-    probe = directory / "odirect-probe"
-    probe.write_bytes(b"\0" * ALIGNMENT)
-    try:
-        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
-        return True
-    except (OSError, AttributeError):
-        return False
-    finally:
-        probe.unlink()
-
-
-@pytest.fixture
-def direct_dir(tmp_path: Path) -> Iterator[Path]:
-    """A directory whose file system accepts O_DIRECT (tmp_path may be tmpfs, which refuses it)."""
-    for base in (tmp_path, Path("/var/tmp"), REPO / ".pytest_cache"):
-        try:
-            base.mkdir(parents=True, exist_ok=True)
-            directory = Path(tempfile.mkdtemp(prefix="flashlm-reader-", dir=base))
-        except OSError:
-            continue
-        if _direct_ok(directory):
-            yield directory
-            shutil.rmtree(directory, ignore_errors=True)
-            return
-        shutil.rmtree(directory, ignore_errors=True)
-    pytest.skip("no directory here (tmp_path, /var/tmp, .pytest_cache) supports O_DIRECT")
 
 
 def make_file(
@@ -250,7 +218,7 @@ def test_fallback_when_o_direct_refused(tmp_path: Path, monkeypatch) -> None:
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
 def test_fallback_on_real_tmpfs() -> None:
     with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
-        if _direct_ok(Path(d)):
+        if supports_direct(Path(d)):
             pytest.skip("/dev/shm accepts O_DIRECT here (not tmpfs)")
         f, _ = make_file(Path(d), 50, 576)
         with StoreReader({0: f}) as reader:

@@ -20,7 +20,10 @@ from .rowfile import ALIGNMENT
 
 
 def supports_direct(directory: Path) -> bool:
-    """Whether files in `directory` can be opened with O_DIRECT (tmpfs answers EINVAL)."""
+    """Whether files in `directory` can be opened with O_DIRECT (tmpfs answers EINVAL; some platforms
+    have no O_DIRECT at all)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
     probe = directory / ".flashlm-odirect-probe"
     probe.write_bytes(b"\0" * ALIGNMENT)
     try:
