@@ -25,17 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-PROMPT = (
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
-    "combined movable metal type, oil-based ink and a wooden screw press. Explain why this mattered."
-)
+from flashlm.eval.decode import run_in_subprocess
+
 DECODE_ROWS = {
     "dense": {},
     "dip-ca@0.6": {"method": "dip", "density": 0.6, "cache_aware": 0.2},
@@ -53,53 +49,6 @@ def load_patched(path: Path, options: dict[str, Any]):
 
     model = load_checkpoint(path, dtype=torch.bfloat16)
     return flashlm.patch(model, flashlm.FlashConfig(**options), progress=False)
-
-
-def decode(path: Path, options: dict[str, Any], new_tokens: int) -> dict[str, Any]:
-    """Prefill the prompt, decode `new_tokens` greedily; tokens/s and the stats of the decode steps."""
-    import torch
-    from transformers import AutoTokenizer
-
-    import flashlm
-
-    model = load_patched(path, options)
-    ids = AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt").input_ids
-    steps = []
-    with torch.inference_mode():
-        out = model(input_ids=ids, use_cache=True)
-        flashlm.stats(model, reset=True)
-        for _ in range(new_tokens):
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-            started = time.perf_counter()
-            out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
-            steps.append(time.perf_counter() - started)
-    snapshot = flashlm.stats(model)
-    totals = snapshot.totals(decode_only=True)
-    return {
-        "decode_tok_s": len(steps) / sum(steps),
-        "read_mb_per_token": totals["bytes_read_per_step"] / 1e6,
-        "reads_per_token": totals["reads_per_step"],
-        "misses_per_token": totals["misses"] / totals["steps"],
-        "hit_rate": totals["hit_rate"],
-        "density": snapshot.density(decode_only=True),
-    }
-
-
-def child(args: argparse.Namespace) -> None:
-    spec = json.loads(args.child)
-    print("RESULT " + json.dumps(decode(Path(spec["path"]), spec["options"], spec["new_tokens"])))
-
-
-def in_subprocess(path: Path, options: dict[str, Any], new_tokens: int) -> dict[str, Any]:
-    spec = json.dumps({"path": str(path), "options": options, "new_tokens": new_tokens})
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", spec], capture_output=True, text=True, env=env
-    )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if proc.returncode or line is None:
-        raise RuntimeError(f"decode of {options} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(line.removeprefix("RESULT "))
 
 
 def predictor_table(reports) -> list[str]:
@@ -130,11 +79,7 @@ def main() -> None:
     parser.add_argument("--memory-budget", default="50%")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("bench-results/predictors"))
-    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        child(args)
-        return
     if args.relufied is None:
         parser.error("--relufied is required")
 
@@ -218,7 +163,16 @@ def main() -> None:
     specs = {name: {**budget, **options} for name, options in DECODE_ROWS.items()}
     for k in (int(k) for k in args.windows.split(",")):
         specs[f"predictor-window:{k}"] = {**budget, **DECODE_ROWS["predictor-window:5"], "window": k}
-    decoded = {name: in_subprocess(args.relufied, spec, args.new_tokens) for name, spec in specs.items()}
+    with tempfile.TemporaryDirectory() as offload:  # `flashlm.eval.decode`, as `flashlm bench` runs rows
+        decoded = {
+            name: run_in_subprocess(
+                {"name": name, "kind": "flashlm", "options": spec},
+                args.relufied,
+                new_tokens=args.new_tokens,
+                offload_dir=Path(offload),
+            )
+            for name, spec in specs.items()
+        }
     results["decode"] = decoded
     config = AutoConfig.from_pretrained(args.relufied)
     d_ff_total = config.intermediate_size * config.num_hidden_layers
@@ -237,7 +191,8 @@ def main() -> None:
         )  # a predictor unit is one neuron's bundle
         report.append(
             f"| {name} | {r['decode_tok_s']:.2f} | {r['decode_tok_s'] / dense:.2f} "
-            f"| {r['read_mb_per_token']:.1f} | {r['reads_per_token']:.0f} | {new} | {r['density']:.1%} "
+            f"| {r['reader_bytes_per_token'] / 1e6:.1f} | {r['reads_per_token']:.0f} | {new} "
+            f"| {r['mlp_density']:.1%} "
             f"| {r['hit_rate']:.1%} |"
         )
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))

@@ -707,3 +707,30 @@ def test_an_interrupted_bench_keeps_what_it_measured(tmp_path, monkeypatch):
     assert [r["config"] for r in report["results"]] == ["ram", "accelerate-cold"]
     assert report["pending"] == ["accelerate-warm", "hybrid-cold", "flashlm-dense"]
     assert report["results"][0]["x_naive"] == 2.0  # against accelerate-cold, the naive baseline
+
+
+def test_the_decode_harness_loads_a_relufied_checkpoint_in_every_kind(tmp_path) -> None:
+    """A FATReLU checkpoint, which `from_pretrained` refuses, decodes through `flashlm.eval.decode` (so
+    `flashlm bench` and the benchmark scripts can have its rows): in RAM with its thresholds, and
+    patched by flashlm, whose dense streaming gives the same greedy tokens."""
+    from conftest import build_tiny_model, save_word_tokenizer
+
+    from flashlm.eval.decode import measure_decode
+    from flashlm.training.activations import relufy
+    from flashlm.training.relufy import save_relufied
+
+    model = build_tiny_model("llama")
+    relufy(model, [0.05, 0.1])
+    path = save_relufied(model, tmp_path / "relufied")
+    save_word_tokenizer(path)
+    runs = {
+        kind: measure_decode(
+            {"name": kind, "kind": kind, "options": {"memory_budget": 10**7}},
+            path,
+            new_tokens=4,
+            offload_dir=tmp_path / "offload",
+        )
+        for kind in ("ram", "flashlm")
+    }
+    assert runs["flashlm"]["tokens"] == runs["ram"]["tokens"] and len(runs["ram"]["tokens"]) == 4
+    assert runs["flashlm"]["mlp_density"] == pytest.approx(1.0)  # dense streaming, every unit used

@@ -17,6 +17,11 @@ same greedy loop: one prefill forward, then one forward per new token, each time
   with `"trace_path"` in the dict (and `record_trace` in the options) the units each layer used
   are saved there (`flashlm.trace`).
 
+A relufied checkpoint (`flashlm train relufy`: FATReLU, which transformers cannot build from its
+config) loads with its thresholds in every kind (`flashlm.training.relufy.load_checkpoint`), and the
+`flashlm` kind then patches it in memory (its dense MLP weights are loaded first, so its peak RSS
+counts them).
+
 Bytes read per token come from `/proc/self/io` read_bytes (what the process really fetched from
 storage) and, for flashlm, from the reader's own counter. `"model"` in the dict overrides the model
 path (e.g. a pruned checkpoint). Every configuration also reports each decoder layer's mean decode
@@ -115,26 +120,29 @@ def layer_disk_device_map(model_path: Path, memory_layers: int) -> dict[str, str
 
 
 def _load(spec: dict[str, Any], model_path: Path, offload_dir: Path):
+    """The configuration's model. A relufied checkpoint (`flashlm train relufy`) loads with its FATReLU
+    thresholds, which `from_pretrained` cannot build; flashlm then patches it in memory."""
     from transformers import AutoModelForCausalLM
 
     from ..config import FlashConfig
+    from ..patching import patch
+    from ..training.relufy import is_relufied_checkpoint, load_checkpoint
 
     kind = spec["kind"]
     if kind == "ram":
-        return AutoModelForCausalLM.from_pretrained(model_path)
+        return load_checkpoint(model_path)
     if kind.startswith("accelerate"):
         device_map = (
             layer_disk_device_map(model_path, spec["memory_layers"])
             if "memory_layers" in spec
             else mlp_disk_device_map(model_path)
         )
-        return AutoModelForCausalLM.from_pretrained(
-            model_path, device_map=device_map, offload_folder=str(offload_dir)
-        )
+        return load_checkpoint(model_path, device_map=device_map, offload_folder=str(offload_dir))
     placement = {"device_map": spec["device"]} if "device" in spec else {}
-    return AutoModelForCausalLM.from_pretrained(
-        model_path, quantization_config=FlashConfig(**spec["options"]), **placement
-    )
+    config = FlashConfig(**spec["options"])
+    if is_relufied_checkpoint(model_path):
+        return patch(load_checkpoint(model_path, **placement), config, progress=False)
+    return AutoModelForCausalLM.from_pretrained(model_path, quantization_config=config, **placement)
 
 
 def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, offload_dir: Path) -> dict:
@@ -267,10 +275,12 @@ def _flashlm_result(model, snapshot, *, step_starts: list[float]) -> dict:
         "reader_bytes_per_token": totals["bytes_read_per_step"],
         "reads_per_token": totals["reads_per_step"],
         "moved_bytes_per_token": totals["moved_bytes_per_step"],
+        "misses_per_token": totals["misses"] / totals["steps"],
         "hit_rate": totals["hit_rate"],
         "mlp_density": totals["density"],
         **{
-            f"{name}_ms": 1e3 * totals[f"{name}_s_per_step"] for name in ("io", "io_busy", "cache", "compute")
+            f"{name}_ms": 1e3 * totals[f"{name}_s_per_step"]
+            for name in ("select", "io", "io_busy", "cache", "compute")
         },
         **{f"{phase}_ms": 1e3 * totals[f"{phase}_s_per_step"] for phase in ("move", "decompress")},
         "resident_bytes": snapshot.resident_bytes,

@@ -215,13 +215,19 @@ def load_relufied(path: str | os.PathLike, *, dtype: torch.dtype | None = None, 
     return model.eval()
 
 
-def load_checkpoint(path: str | os.PathLike, **kwargs: Any) -> nn.Module:
-    """The checkpoint at `path` in memory, eval mode: `load_relufied` for one this recipe wrote (its
-    config records the relufication), `AutoModelForCausalLM.from_pretrained` for any other. `kwargs`
-    go to `from_pretrained`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def is_relufied_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether the checkpoint at `path` was written by this recipe (its config records the relufication)."""
+    from transformers import AutoConfig
 
-    if isinstance(getattr(AutoConfig.from_pretrained(path), CONFIG_FIELD, None), dict):
+    return isinstance(getattr(AutoConfig.from_pretrained(path), CONFIG_FIELD, None), dict)
+
+
+def load_checkpoint(path: str | os.PathLike, **kwargs: Any) -> nn.Module:
+    """The checkpoint at `path` in memory, eval mode: `load_relufied` for one this recipe wrote,
+    `AutoModelForCausalLM.from_pretrained` for any other. `kwargs` go to `from_pretrained`."""
+    from transformers import AutoModelForCausalLM
+
+    if is_relufied_checkpoint(path):
         return load_relufied(path, **kwargs)
     return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
 
