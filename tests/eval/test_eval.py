@@ -715,14 +715,17 @@ def test_the_decode_harness_loads_a_relufied_checkpoint_in_every_kind(tmp_path) 
     patched by flashlm, whose dense streaming gives the same greedy tokens."""
     from conftest import build_tiny_model, save_word_tokenizer
 
+    from flashlm.eval.bench import mlp_bytes
     from flashlm.eval.decode import measure_decode
     from flashlm.training.activations import relufy
     from flashlm.training.relufy import save_relufied
 
     model = build_tiny_model("llama")
+    model.save_pretrained(tmp_path / "plain")
     relufy(model, [0.05, 0.1])
     path = save_relufied(model, tmp_path / "relufied")
     save_word_tokenizer(path)
+    assert mlp_bytes(path) == mlp_bytes(tmp_path / "plain")  # what a percentage budget is a share of
     runs = {
         kind: measure_decode(
             {"name": kind, "kind": kind, "options": {"memory_budget": 10**7}},

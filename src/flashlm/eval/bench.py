@@ -62,11 +62,12 @@ THROUGHPUT_GRID = ((256 << 10, 4), (1 << 20, 4), (64 << 10, 8), (32 << 10, 4), (
 def mlp_bytes(model_path: Path) -> int:
     """Bytes of the checkpoint's MLP weights (what a percentage budget is a share of), from its config."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from ..arch import find_mlps, model_type_of, spec_for
+    from ..training.relufy import buildable_config
 
-    config = AutoConfig.from_pretrained(model_path)
+    config = buildable_config(model_path)  # a relufied checkpoint's FATReLU cannot be built from its config
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with torch.device("meta"):
@@ -331,9 +332,10 @@ def perplexities(
     `perplexity_key` measured once: `{"corpus", "tokens", "context_length", "by_config": {name: ppl}}`."""
     import torch
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from ..data.corpora import corpus_tokens
+    from ..training.relufy import load_checkpoint
     from .perplexity import evaluate, perplexity
 
     keys = {spec["name"]: perplexity_key(spec, model_path) for spec in specs}
@@ -345,7 +347,7 @@ def perplexities(
         window = {"context_length": context_length, "num_tokens": num_tokens, "progress": False}
         if method is None:
             ids = corpus_tokens(corpus, AutoTokenizer.from_pretrained(checkpoint), split="test")
-            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+            model = load_checkpoint(checkpoint, dtype=torch.bfloat16)
             measured[key] = perplexity(model, ids, **window).perplexity
         else:
             dip_options = {} if input_density is None else {"input_density": input_density}

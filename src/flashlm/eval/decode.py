@@ -83,11 +83,12 @@ def drop_page_cache() -> None:
 def mlp_disk_device_map(model_path: Path) -> dict[str, str]:
     """Every MLP on 'disk', everything else on 'cpu', keyed by the modules that hold parameters."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from ..arch import find_mlps, model_type_of, spec_for
+    from ..training.relufy import buildable_config
 
-    config = AutoConfig.from_pretrained(model_path)
+    config = buildable_config(model_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     mlp_names = [name for _, name, _ in find_mlps(model, spec_for(model_type_of(config)))]
@@ -103,11 +104,12 @@ def layer_disk_device_map(model_path: Path, memory_layers: int) -> dict[str, str
     """Decoder layers `0..memory_layers-1` and everything outside the decoder layers on 'cpu', the
     other decoder layers on 'disk' (how Accelerate maps a model whose layers outgrow the memory)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from ..arch import decoder_layers
+    from ..training.relufy import buildable_config
 
-    config = AutoConfig.from_pretrained(model_path)
+    config = buildable_config(model_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     on_disk = [name for index, name, _ in decoder_layers(model) if index >= memory_layers]
@@ -120,13 +122,11 @@ def layer_disk_device_map(model_path: Path, memory_layers: int) -> dict[str, str
 
 
 def _load(spec: dict[str, Any], model_path: Path, offload_dir: Path):
-    """The configuration's model. A relufied checkpoint (`flashlm train relufy`) loads with its FATReLU
-    thresholds, which `from_pretrained` cannot build; flashlm then patches it in memory."""
-    from transformers import AutoModelForCausalLM
-
+    """The configuration's model; a relufied checkpoint (which `from_pretrained` cannot build) loads
+    with its FATReLU thresholds in every kind (`load_checkpoint`, `load_streaming`)."""
     from ..config import FlashConfig
-    from ..patching import patch
-    from ..training.relufy import is_relufied_checkpoint, load_checkpoint
+    from ..training.relufy import load_checkpoint
+    from .perplexity import load_streaming
 
     kind = spec["kind"]
     if kind == "ram":
@@ -139,10 +139,7 @@ def _load(spec: dict[str, Any], model_path: Path, offload_dir: Path):
         )
         return load_checkpoint(model_path, device_map=device_map, offload_folder=str(offload_dir))
     placement = {"device_map": spec["device"]} if "device" in spec else {}
-    config = FlashConfig(**spec["options"])
-    if is_relufied_checkpoint(model_path):
-        return patch(load_checkpoint(model_path, **placement), config, progress=False)
-    return AutoModelForCausalLM.from_pretrained(model_path, quantization_config=config, **placement)
+    return load_streaming(model_path, FlashConfig(**spec["options"]), **placement)
 
 
 def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, offload_dir: Path) -> dict:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..config import FlashConfig
 from ..errors import ConfigError
 from ..methods.specs import parse_method_spec
 
@@ -203,14 +204,12 @@ def load_model(
     progress: bool = True,
     **config_kwargs: Any,
 ) -> torch.nn.Module:
-    """`AutoModelForCausalLM.from_pretrained(model_path, quantization_config=FlashConfig(...))`, eval mode.
+    """The checkpoint with flashlm's MLPs for `method_spec` at `density` (`load_streaming`), eval mode.
 
     `config_kwargs` are further `FlashConfig` options (`policy`, `input_density`, ...); `model_path`
     defaults to the embedded SmolLM2.
     """
-    from transformers import AutoModelForCausalLM
 
-    from ..config import FlashConfig
     from ..data.models import default_model_path
 
     path = Path(model_path) if model_path is not None else default_model_path(progress=progress)
@@ -222,8 +221,21 @@ def load_model(
         **options,
     )
     kwargs = {"dtype": dtype} if dtype is not None else {}
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, **kwargs)
-    return model.eval()
+    return load_streaming(path, config, **kwargs)
+
+
+def load_streaming(path: str | os.PathLike, config: FlashConfig, **kwargs: Any) -> torch.nn.Module:
+    """The checkpoint at `path` with flashlm's MLPs (`config`), eval mode: through `from_pretrained`,
+    which never loads the MLPs; a relufied checkpoint, which `from_pretrained` cannot build, is loaded
+    whole with its FATReLU thresholds and then patched. `kwargs` go to `from_pretrained`."""
+    from transformers import AutoModelForCausalLM
+
+    from ..patching import patch
+    from ..training.relufy import is_relufied_checkpoint, load_checkpoint
+
+    if is_relufied_checkpoint(path):
+        return patch(load_checkpoint(path, **kwargs), config, progress=False).eval()
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, **kwargs).eval()
 
 
 def release(model: torch.nn.Module) -> None:

@@ -194,25 +194,34 @@ def load_relufied(path: str | os.PathLike, *, dtype: torch.dtype | None = None, 
     per-layer thresholds from `config.relufication`; the weights are the checkpoint's, untouched.
     `kwargs` go to `from_pretrained`. Raises `NotRelufiedError` for a checkpoint without that record.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from ..arch import model_type_of, spec_for
-
-    config = AutoConfig.from_pretrained(path)
+    config = buildable_config(path)
     record = getattr(config, CONFIG_FIELD, None)
     if not isinstance(record, dict) or "thresholds" not in record:
         raise NotRelufiedError(
             f"{path} has no '{CONFIG_FIELD}' record in its config.json, so it was not written by "
             "flashlm.training.relufy: load it with AutoModelForCausalLM.from_pretrained."
         )
-    spec = spec_for(model_type_of(config))
-    text_config = config.get_text_config()
-    setattr(text_config, spec.act_config_key, RELU)
     if dtype is not None:
         kwargs["dtype"] = dtype
     model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
     relufy(model, record["thresholds"])
     return model.eval()
+
+
+def buildable_config(path: str | os.PathLike) -> Any:
+    """The checkpoint's config as transformers can build a model from it: a relufied checkpoint's
+    activation key reads `"relu"` (its layers are the same; `load_relufied` installs the thresholds),
+    any other config is returned as it is."""
+    from transformers import AutoConfig
+
+    from ..arch import model_type_of, spec_for
+
+    config = AutoConfig.from_pretrained(path)
+    if isinstance(getattr(config, CONFIG_FIELD, None), dict):
+        setattr(config.get_text_config(), spec_for(model_type_of(config)).act_config_key, RELU)
+    return config
 
 
 def is_relufied_checkpoint(path: str | os.PathLike) -> bool:
