@@ -45,7 +45,7 @@ def load_patched(path: Path, options: dict[str, Any]):
     import torch
 
     import flashlm
-    from flashlm.training.relufy import load_checkpoint
+    from flashlm.training.checkpoints import load_checkpoint
 
     model = load_checkpoint(path, dtype=torch.bfloat16)
     return flashlm.patch(model, flashlm.FlashConfig(**options), progress=False)
@@ -90,7 +90,7 @@ def main() -> None:
     from flashlm.data.models import model_path
     from flashlm.eval.perplexity import perplexity
     from flashlm.predictors import LabelRule, TrainOptions
-    from flashlm.training.relufy import load_checkpoint
+    from flashlm.training.checkpoints import load_checkpoint
     from flashlm.workflows.predictors import train_store_predictors
 
     args.out.mkdir(parents=True, exist_ok=True)

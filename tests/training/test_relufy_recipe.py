@@ -21,14 +21,12 @@ from transformers import AutoModelForCausalLM
 from flashlm.cli.main import main as flashlm_main
 from flashlm.data.corpora import CorpusNotFoundError, require
 from flashlm.training.activations import FATReLU, activations, relufy
+from flashlm.training.checkpoints import NotRelufiedError, load_checkpoint, load_relufied
 from flashlm.training.relufy import (
     MODEL_DIR,
     REPORT_NAME,
     TRAIN_DIR,
-    NotRelufiedError,
     cast_parameters,
-    load_checkpoint,
-    load_relufied,
     main,
     save_relufied,
 )

@@ -74,7 +74,8 @@ def test_a_relufied_checkpoint_trains_with_its_thresholds_and_streams_after_patc
     from conftest import build_tiny_model
 
     from flashlm.training.activations import FATReLU, relufy
-    from flashlm.training.relufy import load_checkpoint, save_relufied
+    from flashlm.training.checkpoints import load_checkpoint
+    from flashlm.training.relufy import save_relufied
 
     model = build_tiny_model("llama").float()
     relufy(model, [0.05, 0.1])

@@ -65,7 +65,7 @@ def mlp_bytes(model_path: Path) -> int:
     from transformers import AutoModelForCausalLM
 
     from ..arch import find_mlps, model_type_of, spec_for
-    from ..training.relufy import buildable_config
+    from ..training.checkpoints import buildable_config
 
     config = buildable_config(model_path)  # a relufied checkpoint's FATReLU cannot be built from its config
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
@@ -335,7 +335,7 @@ def perplexities(
     from transformers import AutoTokenizer
 
     from ..data.corpora import corpus_tokens
-    from ..training.relufy import load_checkpoint
+    from ..training.checkpoints import load_checkpoint
     from .perplexity import evaluate, perplexity
 
     keys = {spec["name"]: perplexity_key(spec, model_path) for spec in specs}

@@ -86,7 +86,7 @@ def mlp_disk_device_map(model_path: Path) -> dict[str, str]:
     from transformers import AutoModelForCausalLM
 
     from ..arch import find_mlps, model_type_of, spec_for
-    from ..training.relufy import buildable_config
+    from ..training.checkpoints import buildable_config
 
     config = buildable_config(model_path)
     with torch.device("meta"):
@@ -107,7 +107,7 @@ def layer_disk_device_map(model_path: Path, memory_layers: int) -> dict[str, str
     from transformers import AutoModelForCausalLM
 
     from ..arch import decoder_layers
-    from ..training.relufy import buildable_config
+    from ..training.checkpoints import buildable_config
 
     config = buildable_config(model_path)
     with torch.device("meta"):
@@ -125,7 +125,7 @@ def _load(spec: dict[str, Any], model_path: Path, offload_dir: Path):
     """The configuration's model; a relufied checkpoint (which `from_pretrained` cannot build) loads
     with its FATReLU thresholds in every kind (`load_checkpoint`, `load_streaming`)."""
     from ..config import FlashConfig
-    from ..training.relufy import load_checkpoint
+    from ..training.checkpoints import load_checkpoint
     from .perplexity import load_streaming
 
     kind = spec["kind"]

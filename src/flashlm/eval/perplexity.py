@@ -231,7 +231,7 @@ def load_streaming(path: str | os.PathLike, config: FlashConfig, **kwargs: Any) 
     from transformers import AutoModelForCausalLM
 
     from ..patching import patch
-    from ..training.relufy import is_relufied_checkpoint, load_checkpoint
+    from ..training.checkpoints import is_relufied_checkpoint, load_checkpoint
 
     if is_relufied_checkpoint(path):
         return patch(load_checkpoint(path, **kwargs), config, progress=False).eval()

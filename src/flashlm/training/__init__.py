@@ -1,7 +1,10 @@
 """flashlm.training: recipes that fine-tune a model for sparse streaming, launchable with Accelerate.
 
-An "extra" layer: nothing in the library imports it. It builds on everything below it (`flashlm.arch`
-to find the MLPs, `flashlm.data.corpora` for text, `flashlm.eval.perplexity` to measure).
+It builds on everything below it (`flashlm.arch` to find the MLPs, `flashlm.data.corpora` for text,
+`flashlm.eval.perplexity` to measure); of the library, only the loaders of `checkpoints` are imported
+(by `flashlm.eval` and the predictors workflow, so a relufied checkpoint loads wherever a plain one does).
+
+- `checkpoints`: `load_relufied`, `load_checkpoint` (relufied or not), `buildable_config`.
 
 - `trainer`: `Trainer` on `accelerate.Accelerator` — distillation loss (`distillation_loss`), AdamW,
   gradient accumulation, checkpoints that survive a kill and resume to the same loss curve, a JSON
@@ -10,7 +13,8 @@ to find the MLPs, `flashlm.data.corpora` for text, `flashlm.eval.perplexity` to 
 - `activations`: `FATReLU`, `relufy` (swap every MLP activation), `dense_activations` (swap back,
   for an in-place teacher), `calibrate_thresholds`, exact-zero counting (`ZeroCounter`).
 - `relufy`: the relufication recipe (`python -m flashlm.training.relufy`, `flashlm train relufy`) and
-  `load_relufied(path)` for its FATReLU checkpoints.
+  `flashlm.training.checkpoints.load_relufied(path)` (or `load_checkpoint`, for any checkpoint) for
+  its FATReLU checkpoints.
 
 `relufy` is not imported here, so `python -m flashlm.training.relufy` runs it as `__main__` only once.
 """

@@ -56,13 +56,15 @@ from torch import nn
 
 from ..errors import ConfigError, FlashLMError
 from .activations import (
-    CONFIG_FIELD,
     FATRELU,
     RELU,
     ZeroCounter,
     calibrate_thresholds,
     dense_activations,
     relufy,
+)
+from .checkpoints import (
+    load_relufied,
 )
 from .trainer import TrainConfig, TrainingError
 
@@ -75,10 +77,6 @@ RECORD_NAME = "relufication.json"
 
 DEFAULT_TRAIN_CORPORA = ("shakespeare", "jargon", "debian-reference")
 DEFAULT_EVAL_CORPORA = ("shakespeare", "jargon")
-
-
-class NotRelufiedError(TrainingError, ValueError):
-    """`load_relufied` was given a checkpoint that relufication did not write."""
 
 
 def default_lr(mode: str) -> float:
@@ -184,61 +182,6 @@ class RelufyReport:
 # --------------------------------------------------------------------------------------------------
 # Loading and saving
 # --------------------------------------------------------------------------------------------------
-
-
-def load_relufied(path: str | os.PathLike, *, dtype: torch.dtype | None = None, **kwargs: Any) -> nn.Module:
-    """A relufied checkpoint (saved by this recipe) as a model with its FATReLU modules, eval mode.
-
-    transformers cannot build a thresholded ReLU from `hidden_act`, so the config is read first, its
-    activation key set to `"relu"` for construction, and `relufy` then installs FATReLU with the
-    per-layer thresholds from `config.relufication`; the weights are the checkpoint's, untouched.
-    `kwargs` go to `from_pretrained`. Raises `NotRelufiedError` for a checkpoint without that record.
-    """
-    from transformers import AutoModelForCausalLM
-
-    config = buildable_config(path)
-    record = getattr(config, CONFIG_FIELD, None)
-    if not isinstance(record, dict) or "thresholds" not in record:
-        raise NotRelufiedError(
-            f"{path} has no '{CONFIG_FIELD}' record in its config.json, so it was not written by "
-            "flashlm.training.relufy: load it with AutoModelForCausalLM.from_pretrained."
-        )
-    if dtype is not None:
-        kwargs["dtype"] = dtype
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
-    relufy(model, record["thresholds"])
-    return model.eval()
-
-
-def buildable_config(path: str | os.PathLike) -> Any:
-    """The checkpoint's config as transformers can build a model from it: a relufied checkpoint's
-    activation key reads `"relu"` (its layers are the same; `load_relufied` installs the thresholds),
-    any other config is returned as it is."""
-    from transformers import AutoConfig
-
-    from ..arch import model_type_of, spec_for
-
-    config = AutoConfig.from_pretrained(path)
-    if isinstance(getattr(config, CONFIG_FIELD, None), dict):
-        setattr(config.get_text_config(), spec_for(model_type_of(config)).act_config_key, RELU)
-    return config
-
-
-def is_relufied_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether the checkpoint at `path` was written by this recipe (its config records the relufication)."""
-    from transformers import AutoConfig
-
-    return isinstance(getattr(AutoConfig.from_pretrained(path), CONFIG_FIELD, None), dict)
-
-
-def load_checkpoint(path: str | os.PathLike, **kwargs: Any) -> nn.Module:
-    """The checkpoint at `path` in memory, eval mode: `load_relufied` for one this recipe wrote,
-    `AutoModelForCausalLM.from_pretrained` for any other. `kwargs` go to `from_pretrained`."""
-    from transformers import AutoModelForCausalLM
-
-    if is_relufied_checkpoint(path):
-        return load_relufied(path, **kwargs)
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
 
 
 def _dtype(name: str) -> torch.dtype:

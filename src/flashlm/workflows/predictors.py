@@ -39,7 +39,7 @@ def train_store_predictors(
     """
     from transformers import AutoTokenizer
 
-    from ..training.relufy import load_checkpoint
+    from ..training.checkpoints import load_checkpoint
 
     if tokens < sequence_length or sequence_length < 2:
         raise ConfigError(
