@@ -30,6 +30,7 @@ from ..predictors import PREDICTORS_FILE, Predictors
 from .base import register_method
 from .masking import union_ids
 from .mlp import FlashMLP
+from .selection import PredictorSelection, selection_options
 
 if TYPE_CHECKING:
     from ..config import FlashConfig
@@ -47,7 +48,7 @@ def zeroes_negatives(act: nn.Module) -> bool:
 
 
 @register_method("predictor")
-class PredictorMLP(FlashMLP):
+class PredictorMLP(PredictorSelection, FlashMLP):
     """Reads the bundles of the neurons a layer's low-rank predictor names (see the module docstring).
 
     Args (beyond `FlashMLP`'s): `predictor`: the layer's `LowRankPredictor` (a submodule: `.to()`
@@ -117,7 +118,7 @@ class PredictorMLP(FlashMLP):
             gated=store.gated,
             d_model=store.d_model,
             d_ff=store.d_ff,
-            k_max=max(1, round(runtime.config.density * store.d_ff)),
+            **selection_options(runtime.config, layer, store.d_model, store.d_ff, None),
             up_bias=resident.get("up_bias"),
             down_bias=resident.get("down_bias"),
             dense_class=dense_class,
@@ -142,15 +143,6 @@ class PredictorMLP(FlashMLP):
         )
 
     # ---- the forward ------------------------------------------------------------------------
-
-    def select(self, x: torch.Tensor) -> torch.Tensor:
-        """`[T, d_ff]` mask of the neurons each token is predicted to activate, at most `k_max` of them."""
-        logits = self.predictor(x)
-        mask = logits >= self.predictor.threshold_logit
-        if self.k_max < self.d_ff:
-            cut = logits.topk(self.k_max, dim=1).values[:, -1:]
-            mask &= logits >= cut
-        return mask
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         runtime, cache, layer = self.runtime, self.bundle_cache, self.layer

@@ -34,7 +34,6 @@ streaming (`flashlm.methods.mlp.module_class`).
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
@@ -52,10 +51,11 @@ from ..errors import ConfigError, UnsupportedArchitectureError
 from ..ops import ColumnProduct
 from ..ops.columns import slot_dtype
 from ..store.reader import DEFAULT_MERGE_GAP_BYTES
-from .base import register_method
-from .calibration import Calibration, CalibrationMissingError
-from .masking import magnitude_topk, threshold_mask, union_ids
+from .base import method_class, register_method
+from .calibration import Calibration
+from .masking import union_ids
 from .mlp import FlashMLP
+from .selection import CATSSelection, DIPSelection, GLUSelection, Selection, dip_split, selection_options
 
 if TYPE_CHECKING:
     from ..config import FlashConfig
@@ -142,7 +142,7 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class SparseMLP(FlashMLP):
+class SparseMLP(Selection, FlashMLP):
     """A two-stage sparse MLP (see the module docstring). Subclasses define the four hooks.
 
     Args (beyond `FlashMLP`'s): `k_out`: units kept per token by the second selection (the
@@ -252,21 +252,11 @@ class SparseMLP(FlashMLP):
             f"gamma={self.gamma}, capacity=({self.input_cache.capacity}, {self.output_cache.capacity})"
         )
 
-    # ---- the four hooks ------------------------------------------------------------------------
-
-    def select_input(self, x: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor | None:
-        """`[T, units]` mask of the stage-1 units each of the tokens `x` needs, or None for all of them.
-
-        `resident` is the stage's cache residency (for cache-aware selection; None without)."""
-        return None
+    # ---- the four hooks: select_input and select_output (`Selection`), compute_input, compute_output --
 
     def compute_input(self, x: torch.Tensor, mask: torch.Tensor | None, parts: Parts) -> torch.Tensor:
         """Stage 1: the `[T, d_ff]` activation the second selection ranks."""
         raise NotImplementedError
-
-    def select_output(self, a: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor:
-        """`[T, d_ff]` mask of the stage-2 units each token keeps, from its stage-1 activation `a`."""
-        return magnitude_topk(a, self.k_out)
 
     def compute_output(
         self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts
@@ -501,12 +491,8 @@ class SparseMLP(FlashMLP):
         return out
 
 
-def _clamp_units(fraction: float, units: int) -> int:
-    return min(units, max(1, round(fraction * units)))
-
-
 @register_method("dip")
-class DIPMLP(SparseMLP):
+class DIPMLP(DIPSelection, SparseMLP):
     """Dynamic Input Pruning (eqs. 7-8), cache-aware with `gamma < 1` (eq. 10, Algorithm 1).
 
     `k_in` input columns of up/gate per token (or those above `input_threshold`, for the paper's
@@ -536,18 +522,10 @@ class DIPMLP(SparseMLP):
         threshold = "" if self.input_threshold is None else f", input_threshold={self.input_threshold:.4g}"
         return f"{super().extra_repr()}, k_in={self.k_in}{threshold}"
 
-    def select_input(self, x: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor | None:
-        if self.input_threshold is not None:
-            return threshold_mask(x, self.input_threshold)
-        return magnitude_topk(x, self.k_in, resident, self.gamma)
-
     def compute_input(self, x: torch.Tensor, mask: torch.Tensor | None, parts: Parts) -> torch.Tensor:
         # dip_in row i: up[:, i] | gate[:, i]; rounded to the model's dtype as its projections are
         up_gate = self._columns(x if mask is None else x * mask, parts).to(x.dtype)
         return up_gate[:, : self.d_ff] * self.act(up_gate[:, self.d_ff :])
-
-    def select_output(self, a: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor:
-        return magnitude_topk(a, self.k_out, resident, self.gamma)
 
     def compute_output(
         self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts
@@ -556,19 +534,13 @@ class DIPMLP(SparseMLP):
 
 
 @register_method("glu")
-class GLUPruningMLP(DIPMLP):
+class GLUPruningMLP(GLUSelection, DIPMLP):
     """GLU pruning, the oracle (eq. 4): the full GLU from every up/gate column, top-k down columns."""
 
     OPTIONS = ()
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, k_in=0, **kwargs)
-
-    def select_input(self, x: torch.Tensor, resident: torch.Tensor | None) -> None:
-        return None
-
-    def select_output(self, a: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor:
-        return magnitude_topk(a, self.k_out)
 
 
 class WholeFirstStage:
@@ -620,7 +592,7 @@ class GatePruningMLP(WholeFirstStage, SparseMLP):
 
 
 @register_method("cats")
-class CATSMLP(GatePruningMLP):
+class CATSMLP(CATSSelection, GatePruningMLP):
     """CATS: gate pruning by a per-layer threshold on |act(gate x)|, calibrated from its distribution."""
 
     def __init__(self, *args, threshold: float, **kwargs) -> None:
@@ -629,9 +601,6 @@ class CATSMLP(GatePruningMLP):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, threshold={self.threshold:.4g}"
-
-    def select_output(self, a: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor:
-        return threshold_mask(a, self.threshold)
 
 
 def build_sparse_mlp(
@@ -649,38 +618,11 @@ def build_sparse_mlp(
     Raises `CalibrationMissingError` when the method needs thresholds that were never calibrated.
     """
     store = runtime.store
-    density = config.density
-    common = {"d_model": store.d_model, "d_ff": store.d_ff, "dense_class": dense_class}
-    if config.method == "dip":
-        rho_in, rho_out = dip_split(config, calibration, store.path)
-        threshold = None
-        if config.threshold != "token":
-            calibration = _require(calibration, f"threshold={config.threshold!r}")
-            threshold = (
-                calibration.input_threshold(layer, rho_in)
-                if config.threshold == "layer"
-                else calibration.global_input_threshold(rho_in)
-            )
-        return DIPMLP(
-            layer,
-            runtime,
-            act,
-            k_in=_clamp_units(rho_in, store.d_model),
-            k_out=_clamp_units(rho_out, store.d_ff),
-            gamma=config.cache_aware,
-            input_threshold=threshold,
-            **common,
-        )
-    if config.method == "glu":
-        return GLUPruningMLP(layer, runtime, act, k_out=_clamp_units(density, store.d_ff), **common)
-    # gate, up and cats read one full projection (a third) and keep ρ of the other two thirds.
-    rho = (3 * density - 1) / 2
-    k_out = _clamp_units(rho, store.d_ff)
-    if config.method == "cats":
-        threshold = _require(calibration, "method='cats'").gate_threshold(layer, rho)
-        return CATSMLP(layer, runtime, act, k_out=k_out, threshold=threshold, **common)
-    cls = {"up": UpPruningMLP, "gate": GatePruningMLP}[config.method]
-    return cls(layer, runtime, act, k_out=k_out, **common)
+    cls = method_class(config.method)
+    options = selection_options(config, layer, store.d_model, store.d_ff, calibration, store.path)
+    return cls(
+        layer, runtime, act, d_model=store.d_model, d_ff=store.d_ff, dense_class=dense_class, **options
+    )
 
 
 READ_AHEAD_MAX_SKIPPED = 0.05
@@ -704,38 +646,3 @@ def reads_ahead(config: FlashConfig, store: Store, calibration: Calibration | No
     rho_in, _ = dip_split(config, calibration, store.path)
     gap_units = DEFAULT_MERGE_GAP_BYTES // store.row_file(0, DIPMLP.INPUT_KIND).row_bytes
     return (1 - rho_in) ** (gap_units + 1) <= READ_AHEAD_MAX_SKIPPED
-
-
-def dip_split(
-    config: FlashConfig, calibration: Calibration | None, store_path: object = ""
-) -> tuple[float, float]:
-    """(ρ_in, ρ_down) for DIP: explicit, calibrated (the Pareto fit), or equal without a calibration."""
-    density = config.density
-    if config.input_density is not None:
-        return config.input_density, min(1.0, 3 * density - 2 * config.input_density)
-    if calibration is not None and calibration.split_fit is not None:
-        return calibration.split(density)
-    if density < 1:
-        _warn_uncalibrated(str(store_path), density)
-    return density, density
-
-
-@functools.lru_cache(maxsize=64)
-def _warn_uncalibrated(store: str, density: float) -> None:
-    """Once per store and density, not once per layer."""
-    logger.warning(
-        "flashlm: no calibrated DIP density split for the store %s; using ρ_in = ρ_down = %.3f. Run "
-        "`flashlm calibrate` once to fit the Pareto-optimal split (DIP paper, appendix B.1).",
-        store,
-        density,
-    )
-
-
-def _require(calibration: Calibration | None, what: str) -> Calibration:
-    if calibration is None:
-        raise CalibrationMissingError(
-            f"{what} needs magnitude thresholds calibrated on text, and this store has none. Run "
-            "`flashlm calibrate` (or `flashlm.calibrate(model_path)`) once; it writes calibration.json "
-            "into the store."
-        )
-    return calibration
