@@ -168,6 +168,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"MLP            {'gated' if store.gated else 'plain'}, {manifest['dtype']}")
     print(f"source         {manifest['source'].get('path')}")
     print(f"content sha256 {manifest['source'].get('content_sha256')}")
+    for adapter in (store.fused_from or {}).get("adapters", []):
+        print(f"fused adapter  {adapter['path']} (sha256 {adapter['sha256'][:16]}...)")
     for kind in store.kinds:
         layout = manifest["kinds"][kind]
         print(
@@ -509,6 +511,27 @@ def cmd_train_relufy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_lora(args: argparse.Namespace) -> int:
+    from ..training.lora import format_report, options_from_args, run
+
+    report = run(*options_from_args(args))
+    if report.measurements:  # the main process (others print nothing)
+        print(json.dumps(report.to_dict(), indent=2, default=str) if args.json else format_report(report))
+    return 0
+
+
+def cmd_fuse(args: argparse.Namespace) -> int:
+    from ..config import FlashConfig
+    from ..methods.mlp import open_checkpoint_store
+    from ..store.fuse import fuse_adapter
+
+    store = args.store or open_checkpoint_store(_model_dir(args.model), FlashConfig())
+    fused = fuse_adapter(store, args.adapter, None if args.in_place else args.out)
+    print(f"fused {args.adapter} into {fused.path} (content sha256 {fused.content_sha256[:16]}...)")
+    print(f"stream it with: FlashConfig(store={str(fused.path)!r}, ...) or --store {fused.path}")
+    return 0
+
+
 def cmd_train_predictors(args: argparse.Namespace) -> int:
     from ..predictors import TrainOptions, format_reports
     from ..workflows.predictors import train_store_predictors
@@ -559,6 +582,31 @@ def _add_train_parser(sub) -> None:
     )
     predictors.add_argument("--epochs", type=_int_at_least(1), default=4)
     predictors.set_defaults(func=cmd_train_predictors)
+
+    from ..training.lora import build_parser as lora_parser
+
+    lora = train_sub.add_parser(
+        "lora",
+        parents=[lora_parser()],
+        add_help=False,
+        help="LoRA adapters on a sparse method's MLPs, distilled from the dense model, fused into a store",
+        description=lora_parser().description,
+    )
+    lora.set_defaults(func=cmd_train_lora)
+
+    fuse = sub.add_parser(
+        "fuse", help="rewrite a store with a LoRA adapter (from `flashlm train lora`) fused into its weights"
+    )
+    fuse.add_argument("--adapter", required=True, help="the adapter directory (OUT/adapter)")
+    source = fuse.add_mutually_exclusive_group()
+    source.add_argument("--model", default=None, help="the model whose store to fuse into (default: smollm2)")
+    source.add_argument("--store", default=None, help="the store to fuse into")
+    dest = fuse.add_mutually_exclusive_group(required=True)
+    dest.add_argument("--out", help="write the fused store here, keeping the original")
+    dest.add_argument(
+        "--in-place", action="store_true", help="replace the store (once the fused one is complete)"
+    )
+    fuse.set_defaults(func=cmd_fuse)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -59,6 +59,9 @@ class Calibration:
     split_fit: dict[str, float] | None = None
     split_points: list[dict[str, float]] = field(default_factory=list)
     flashlm_version: str = ""
+    measured_on: str = ""
+    """Content hash of the weights measured, where it is not `content_sha256`: a calibration carried into
+    a store with LoRA adapters fused in (the adapters were trained under its masks)."""
 
     # ---- use --------------------------------------------------------------------------------
 

@@ -61,6 +61,7 @@ def convert(
     kinds: Iterable[str] | None = None,
     progress: bool = True,
     overwrite: bool = False,
+    provenance: dict | None = None,
 ) -> Store:
     """Convert a model's MLP weights into a store at `dest` and return it, opened.
 
@@ -74,6 +75,7 @@ def convert(
             sparse method calls) adds the others when they are first needed.
         progress: show a progress bar over layers.
         overwrite: replace an existing store at `dest` (otherwise `FileExistsError`).
+        provenance: more to record in the manifest's `source` (how derived weights were made).
     """
     source = as_source(source)
     spec, owners = mlp_owners(source)
@@ -83,7 +85,7 @@ def convert(
         dtype = dtype_from_name(dtype)
     dest = Path(dest).expanduser()
     with staged_directory(dest, overwrite=overwrite) as tmp:
-        _write_store(source, spec, owners, kinds, dtype, tmp, progress)
+        _write_store(source, spec, owners, kinds, dtype, tmp, progress, provenance or {})
     return Store.open(dest)
 
 
@@ -327,6 +329,7 @@ def _write_store(
     dtype: torch.dtype | None,
     tmp: Path,
     progress: bool,
+    provenance: dict,
 ) -> None:
     """The single pass: every layer's row files, then the resident biases, then the manifest."""
     fingerprint = source.fingerprint()
@@ -368,7 +371,12 @@ def _write_store(
         "has_bias": bool(biases),
         "kinds": {kind: layouts[kind] for kind in kinds},
         "files": files,
-        "source": {"path": source.path, "fingerprint": fingerprint, "content_sha256": digest.hexdigest()},
+        "source": {
+            "path": source.path,
+            "fingerprint": fingerprint,
+            "content_sha256": digest.hexdigest(),
+            **provenance,
+        },
     }
     write_json_durably(tmp / MANIFEST, manifest)
     fsync_dir(tmp / "layers")

@@ -232,8 +232,15 @@ class ConvertedFrom:
 
     @property
     def fingerprint(self) -> str | None:
-        """The source checkpoint's fingerprint (`SafetensorsSource.fingerprint`), or None."""
+        """The source checkpoint's fingerprint (`SafetensorsSource.fingerprint`), or None; for a store
+        with adapters fused in, chained with each adapter's hash."""
         return self.manifest["source"].get("fingerprint")
+
+    @property
+    def fused_from(self) -> dict | None:
+        """For a store with LoRA adapters fused in (`flashlm.store.fuse`): the checkpoint's fingerprint
+        and content hash, the unfused store's content hash and the adapters; None otherwise."""
+        return self.manifest["source"].get("fused_from")
 
 
 class Store(ConvertedFrom):
@@ -386,8 +393,10 @@ class Store(ConvertedFrom):
     ) -> None:
         """Raise `StoreMismatchError` naming every given field that differs from the store's.
 
-        Fields left None are not checked; `fingerprint` only when the store recorded one.
+        Fields left None are not checked; `fingerprint` only when the store recorded one. A store with
+        adapters fused in matches the checkpoint (fingerprint, MLP content) it was derived from.
         """
+        checkpoint = self.fused_from or {}
         expected = {
             "model_type": model_type,
             "num_layers": num_layers,
@@ -401,8 +410,8 @@ class Store(ConvertedFrom):
             "num_layers": self.num_layers,
             "d_model": self.d_model,
             "d_ff": self.d_ff,
-            "fingerprint": self.fingerprint,
-            "content_sha256": self.content_sha256,
+            "fingerprint": checkpoint.get("checkpoint_fingerprint", self.fingerprint),
+            "content_sha256": checkpoint.get("checkpoint_content_sha256", self.content_sha256),
         }
         differences = [
             f"{field}: store has {actual[field]!r}, expected {value!r}"

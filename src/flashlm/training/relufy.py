@@ -66,7 +66,7 @@ from .activations import (
 from .checkpoints import (
     load_relufied,
 )
-from .trainer import TrainConfig, TrainingError
+from .trainer import TrainConfig, TrainingError, add_trainer_arguments, train_config_from_args
 
 MODEL_DIR = "model"
 TRAIN_DIR = "train"
@@ -311,7 +311,7 @@ def format_report(report: RelufyReport) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def _lora_targets(model: nn.Module, which: str) -> list[str]:
+def lora_targets(model: nn.Module, which: str) -> list[str]:
     """Qualified names of the linears LoRA adapts: every decoder linear, or the MLP's projections."""
     from ..arch import decoder_layers, find_mlps, layer_linears, model_type_of, spec_for
 
@@ -452,7 +452,7 @@ def run(
             r=options.lora_rank,
             lora_alpha=options.lora_alpha,
             lora_dropout=options.lora_dropout,
-            target_modules=_lora_targets(model, options.lora_targets),
+            target_modules=lora_targets(model, options.lora_targets),
             bias="none",
         )
         student = get_peft_model(model, lora)
@@ -594,27 +594,7 @@ def build_parser(prog: str = "python -m flashlm.training.relufy") -> argparse.Ar
         "--corpora", type=_names, default=DEFAULT_TRAIN_CORPORA, help="training corpora (calibration splits)"
     )
     p.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence (default: 128)")
-    p.add_argument("--steps", type=int, default=500, help="optimizer steps (default: 500)")
-    p.add_argument(
-        "--batch-size", type=int, default=4, help="sequences per process per micro-batch (default: 4)"
-    )
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default: 1)")
-    p.add_argument(
-        "--lr", type=float, default=None, help="peak learning rate (default: 1e-3 with LoRA, 5e-4 full)"
-    )
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--warmup-steps", type=int, default=20)
-    p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature (default: 1)")
-    p.add_argument("--ce-weight", type=float, default=0.0, help="weight of the next-token cross-entropy term")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--checkpoint-every", type=int, default=100, help="steps between checkpoints (0: at the end only)"
-    )
-    p.add_argument("--keep-checkpoints", type=int, default=2)
-    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
-    p.add_argument("--mixed-precision", choices=("no", "bf16"), default="no", help="autocast (default: no)")
+    add_trainer_arguments(p, steps=500, lr_default="1e-3 with LoRA, 5e-4 full")
     p.add_argument(
         "--save-dtype", default="auto", help="dtype of the saved checkpoint (default: the source's)"
     )
@@ -625,7 +605,6 @@ def build_parser(prog: str = "python -m flashlm.training.relufy") -> argparse.Ar
     p.add_argument(
         "--eval-dtype", default="float32", help="dtype every measured model runs in (default: float32)"
     )
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 
@@ -655,24 +634,8 @@ def options_from_args(args: argparse.Namespace) -> tuple[RelufyOptions, TrainCon
         eval_dtype=args.eval_dtype,
         progress=args.progress,
     )
-    train = TrainConfig(
-        output_dir=Path(args.out) / TRAIN_DIR,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        lr=args.lr if args.lr is not None else default_lr(args.mode),
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps,
-        schedule=args.schedule,
-        max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None,
-        temperature=args.temperature,
-        ce_weight=args.ce_weight,
-        seed=args.seed,
-        checkpoint_every=args.checkpoint_every,
-        keep_checkpoints=args.keep_checkpoints,
-        gradient_checkpointing=args.gradient_checkpointing,
-        progress=args.progress,
-    )
+    lr = args.lr if args.lr is not None else default_lr(args.mode)
+    train = train_config_from_args(args, Path(args.out) / TRAIN_DIR, lr=lr)
     return options, train
 
 

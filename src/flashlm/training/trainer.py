@@ -31,6 +31,7 @@ Exceptions defined here (subclasses of `flashlm.errors.FlashLMError`): `Training
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import json
@@ -227,6 +228,56 @@ class TrainConfig:
         span = max(1, self.steps - self.warmup_steps)
         progress = min(1.0, (step - self.warmup_steps) / span)
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def add_trainer_arguments(parser: argparse.ArgumentParser, *, steps: int, lr_default: str) -> None:
+    """The command-line options of a `TrainConfig` (and `--mixed-precision`, `--no-progress`), shared by
+    the recipes; `lr_default` says in the help what `--lr` defaults to (the recipe decides)."""
+    p = parser
+    p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default: {steps})")
+    p.add_argument(
+        "--batch-size", type=int, default=4, help="sequences per process per micro-batch (default: 4)"
+    )
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default: 1)")
+    p.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default: {lr_default})")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature (default: 1)")
+    p.add_argument("--ce-weight", type=float, default=0.0, help="weight of the next-token cross-entropy term")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--checkpoint-every", type=int, default=100, help="steps between checkpoints (0: at the end only)"
+    )
+    p.add_argument("--keep-checkpoints", type=int, default=2)
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    p.add_argument("--mixed-precision", choices=("no", "bf16"), default="no", help="autocast (default: no)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+
+def train_config_from_args(
+    args: argparse.Namespace, output_dir: str | os.PathLike, *, lr: float
+) -> TrainConfig:
+    """The `TrainConfig` of arguments `add_trainer_arguments` parsed (`lr`: the learning rate to use)."""
+    return TrainConfig(
+        output_dir=output_dir,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        lr=lr,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
+        schedule=args.schedule,
+        max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None,
+        temperature=args.temperature,
+        ce_weight=args.ce_weight,
+        seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints,
+        gradient_checkpointing=args.gradient_checkpointing,
+        progress=args.progress,
+    )
 
 
 @dataclass

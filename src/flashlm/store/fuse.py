@@ -1,0 +1,249 @@
+"""`fuse_adapter`: a store rewritten with LoRA adapters fused into its MLP weights (`W + s·BA`).
+
+The DIP paper applies its recovery adapters before column selection (eq. 9), so a fused store is read
+exactly as the unfused one is: the same kinds, layouts and sizes, so the same tokens/s. The adapter
+is a peft LoRA adapter directory (`adapter_config.json`, `adapter_model.safetensors`) on the MLP
+projections, as `flashlm train lora` saves it, with `flashlm_lora.json` naming the store it was
+trained on. Fusing is one pass over the layers (`convert` from a source that reads the store and adds
+each projection's delta), written under a temporary name and renamed into place.
+
+The fused store keeps the checkpoint it came from as its identity for loading (a model loaded from
+that checkpoint streams its MLPs from the fused store), while its own fingerprint chains the old one
+with the adapter's hash and its content hash is that of the fused weights, so anything fitted to the
+old weights (a calibration, predictors) no longer matches it. The calibration and predictors the
+adapter was trained under are carried over, re-keyed: the adapter learned to recover under exactly
+their masks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from ..arch import _layer_index, mlp_weight_names, spec_for
+from ..errors import (
+    PredictorsNotFoundError,
+    StoreCorruptError,
+    StoreMismatchError,
+    UnsupportedArchitectureError,
+)
+from .convert import convert, layer_weights
+from .format import Store
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_RECORD = "flashlm_lora.json"
+"""Beside peft's files: the flashlm version, the store the adapter was trained on and how it was trained."""
+
+
+class AdapterCorruptError(StoreCorruptError):
+    """An adapter directory is incomplete or damaged."""
+
+
+class AdapterMismatchError(StoreMismatchError):
+    """An adapter was trained on other weights than the store holds."""
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A LoRA adapter's MLP deltas, read from a peft adapter directory and checked against a store.
+
+    `deltas[(layer, role)]` is `scaling · B @ A` in float32, shaped as the projection's weight (`role`:
+    `gate`, `up`, `down`); projections the adapter does not touch are absent.
+    """
+
+    path: Path
+    sha256: str
+    record: dict[str, Any]
+    deltas: dict[tuple[int, str], torch.Tensor]
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, store: Store) -> LoraAdapter:
+        """Read the adapter at `path` for `store`.
+
+        Raises `AdapterCorruptError` when a file is missing, unreadable or inconsistent, and
+        `AdapterMismatchError` when the adapter was trained on another store's weights.
+        """
+        path = Path(path).expanduser()
+        retrain = f"The adapter at {path} cannot be used: train it again with `flashlm train lora`."
+        files = {name: path / name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, ADAPTER_RECORD)}
+        missing = [name for name, file in files.items() if not file.is_file()]
+        if missing:
+            raise AdapterCorruptError(
+                f"{path} is not a flashlm LoRA adapter: it lacks {', '.join(missing)}. {retrain}"
+            )
+        try:
+            config = json.loads(files[ADAPTER_CONFIG].read_text())
+            record = json.loads(files[ADAPTER_RECORD].read_text())
+            trained_on = str(record["store_content_sha256"])
+            with safe_open(str(files[ADAPTER_WEIGHTS]), framework="pt", device="cpu") as f:
+                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
+        except Exception as exc:  # safetensors raises its own SafetensorError (no public base class)
+            raise AdapterCorruptError(
+                f"{path} is unreadable ({type(exc).__name__}: {exc}). {retrain}"
+            ) from exc
+        if trained_on != store.content_sha256:
+            raise AdapterMismatchError(
+                f"The adapter at {path} was trained on other weights (store content sha256 "
+                f"{trained_on[:12]}...) than the store {store.path} holds ({store.content_sha256[:12]}...). "
+                "Fuse it into the store it was trained on, or train an adapter for this one."
+            )
+        deltas = _deltas(config, tensors, store, path, retrain)
+        digest = hashlib.sha256(files[ADAPTER_CONFIG].read_bytes())
+        digest.update(files[ADAPTER_WEIGHTS].read_bytes())
+        return cls(path=path, sha256=digest.hexdigest(), record=record, deltas=deltas)
+
+
+def _deltas(
+    config: dict[str, Any], tensors: dict[str, torch.Tensor], store: Store, path: Path, retrain: str
+) -> dict[tuple[int, str], torch.Tensor]:
+    """`scaling · B @ A` of every adapted MLP projection, checked against the store's shapes."""
+    if config.get("peft_type") != "LORA" or config.get("use_dora") or config.get("fan_in_fan_out"):
+        raise AdapterCorruptError(
+            f"{path} is not a plain LoRA adapter (peft_type {config.get('peft_type')!r}, use_dora "
+            f"{config.get('use_dora')!r}, fan_in_fan_out {config.get('fan_in_fan_out')!r}): flashlm fuses "
+            f"W + (alpha / r) B A only. {retrain}"
+        )
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise AdapterCorruptError(
+            f"{path} gives layers ranks of their own (rank_pattern); flashlm fuses one rank."
+        )
+    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    scaling = alpha / (rank**0.5 if config.get("use_rslora") else rank)
+    spec = spec_for(store.model_type)
+    if spec.gate_up is not None:
+        raise UnsupportedArchitectureError(
+            f"Fusing adapters into a fused gate_up projection ({store.model_type}) is not supported."
+        )
+    roles = {spec.gate: "gate", spec.up: "up", spec.down: "down"}
+    shapes = {
+        "gate": (store.d_ff, store.d_model),
+        "up": (store.d_ff, store.d_model),
+        "down": (store.d_model, store.d_ff),
+    }
+    deltas = {}
+    for name in tensors:
+        if not name.endswith(".lora_A.weight"):
+            if not name.endswith(".lora_B.weight"):
+                raise AdapterCorruptError(f"{path} holds {name!r}, which is not a LoRA matrix. {retrain}")
+            continue
+        module = name.removesuffix(".lora_A.weight")
+        layer, role = _layer_index(module), roles.get(module.rsplit(".", 1)[-1])
+        b = tensors.get(f"{module}.lora_B.weight")
+        if layer is None or role is None or not 0 <= layer < store.num_layers:
+            raise AdapterCorruptError(
+                f"{path} adapts {module!r}, which is not an MLP projection of the store's {store.num_layers} "
+                f"layers ({', '.join(roles)}). {retrain}"
+            )
+        a = tensors[name]
+        if (
+            b is None
+            or a.dim() != 2
+            or b.dim() != 2
+            or (b.shape[0], a.shape[1]) != shapes[role]
+            or b.shape[1] != a.shape[0]
+        ):
+            raise AdapterCorruptError(
+                f"{path}: the LoRA matrices of {module!r} (B {None if b is None else list(b.shape)}, "
+                f"A {list(a.shape)}) do not make the {role} projection's {list(shapes[role])}. {retrain}"
+            )
+        deltas[(layer, role)] = scaling * (b.float() @ a.float())
+    if not deltas:
+        raise AdapterCorruptError(f"{path} holds no LoRA matrices. {retrain}")
+    return deltas
+
+
+class _FusedSource:
+    """A `TensorSource` over a store's MLP weights with an adapter's deltas added, layer by layer."""
+
+    def __init__(self, store: Store, adapter: LoraAdapter) -> None:
+        self.store, self.adapter = store, adapter
+        self.model_type = store.model_type
+        self.path = store.manifest["source"].get("path")
+        spec = spec_for(store.model_type)
+        self._names = {}
+        for layer in range(store.num_layers):
+            for role, name in mlp_weight_names(spec, f"layers.{layer}.{spec.owner}".rstrip(".")).items():
+                self._names[name] = (layer, role)
+        self._layer: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def has(self, name: str) -> bool:
+        return name in self._names
+
+    def get(self, name: str) -> torch.Tensor:
+        layer, role = self._names[name]
+        if self._layer is None or self._layer[0] != layer:
+            self._layer = (layer, layer_weights(self.store, layer) | self.store.resident(layer))
+        weight = self._layer[1][role]
+        delta = self.adapter.deltas.get((layer, role))
+        return weight if delta is None else (weight.float() + delta).to(weight.dtype)
+
+    def fingerprint(self) -> str:
+        """The store's fingerprint (or content hash) chained with the adapter's hash."""
+        previous = self.store.fingerprint or self.store.content_sha256
+        return hashlib.sha256(f"{previous}+lora:{self.adapter.sha256}".encode()).hexdigest()
+
+
+def fuse_adapter(
+    store: Store | str | os.PathLike,
+    adapter: str | os.PathLike,
+    dest: str | os.PathLike | None = None,
+    *,
+    progress: bool = True,
+) -> Store:
+    """Write `store` with the LoRA adapter at `adapter` fused into its MLP weights to `dest` (None:
+    replace `store` itself, only once the fused one is complete) and return the fused store, opened.
+
+    Raises `AdapterCorruptError` / `AdapterMismatchError` (see `LoraAdapter.load`).
+    """
+    from ..methods.calibration import Calibration
+    from ..predictors import Predictors
+
+    store = store if isinstance(store, Store) else Store.open(store)
+    loaded = LoraAdapter.load(adapter, store)
+    source = _FusedSource(store, loaded)
+    fused_from = store.manifest["source"].get("fused_from", {})
+    provenance = {
+        "fused_from": {
+            "checkpoint_fingerprint": fused_from.get("checkpoint_fingerprint", store.fingerprint),
+            "checkpoint_content_sha256": fused_from.get("checkpoint_content_sha256", store.content_sha256),
+            "store_content_sha256": store.content_sha256,
+            "adapters": [
+                *fused_from.get("adapters", []),
+                {"path": str(loaded.path), "sha256": loaded.sha256},
+            ],
+        }
+    }
+    # Read what was fitted to the old weights before an in-place rewrite replaces them.
+    calibration = Calibration.load(store.path, store.content_sha256)
+    try:
+        predictors = Predictors.load(store)
+    except PredictorsNotFoundError:
+        predictors = None
+    target = store.path if dest is None else Path(dest).expanduser()
+    fused = convert(
+        source,
+        target,
+        dtype=store.dtype,
+        kinds=store.kinds,
+        progress=progress,
+        overwrite=dest is None,
+        provenance=provenance,
+    )
+    if calibration is not None:
+        calibration.measured_on = calibration.measured_on or calibration.content_sha256
+        calibration.content_sha256 = fused.content_sha256
+        calibration.save(fused.path)
+    if predictors is not None:
+        predictors.save(fused)
+    return fused
