@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny_model, save_word_tokenizer
+from conftest import build_tiny_model, save_word_tokenizer, tiny_config
 from test_relufy_recipe import CORPUS, _free_port, _require_corpus, _run
 from transformers import AutoModelForCausalLM
 
@@ -107,6 +107,24 @@ def test_the_training_masks_are_the_streaming_masks(fp32_dir, method):
     with dense_mlps(masked):
         assert torch.equal(_logits(masked), dense)  # the teacher is exactly the dense model
     assert all(m.masking for m in masked.modules() if isinstance(m, MaskedMLP))
+
+
+def test_the_predictor_methods_training_masks_are_its_streaming_masks(tmp_path):
+    from flashlm.predictors import LowRankPredictor, Predictors
+
+    config = tiny_config("llama")
+    config.hidden_act = "relu"  # the predictor method needs a ReLU-family activation
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "relu")
+    store = flashlm.convert(tmp_path / "relu", tmp_path / "store", progress=False)
+    Predictors([LowRankPredictor(store.d_model, store.d_ff, 4) for _ in range(store.num_layers)]).save(store)
+    options = _config(method="predictor", density=0.4, store=str(store.path))
+    masked = _masked(tmp_path / "relu", options)
+    dense = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "relu", dtype=torch.float32).eval())
+    assert not torch.allclose(_logits(masked), dense, atol=1e-3)
+    torch.testing.assert_close(
+        _logits(masked), _logits(_streamed(tmp_path / "relu", options)), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_at_density_one_the_masked_model_is_the_dense_model(fp32_dir):

@@ -34,6 +34,7 @@ import contextlib
 import json
 import math
 import os
+import resource
 import shutil
 import sys
 import time
@@ -318,6 +319,9 @@ class LoraReport:
     train_seconds: float
     first_loss: float
     final_loss: float
+    peak_rss_mb: float
+    """This process's peak resident memory by the end of training (the model in float32, the adapters
+    and their optimizer state, one batch's activations and the teacher's logits)."""
     measurements: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -332,7 +336,11 @@ class LoraReport:
 
 def format_report(report: LoraReport) -> str:
     """The measurements as a table: perplexity per stage and corpus, and the gap closed."""
-    lines = [f"{'stage':<14} {'corpus':<14} {'perplexity':>11} {'vs dense':>9}"]
+    lines = [
+        f"{report.steps} steps, loss {report.first_loss:.4f} -> {report.final_loss:.4f}, "
+        f"peak RSS {report.peak_rss_mb:.0f} MB",
+        f"{'stage':<14} {'corpus':<14} {'perplexity':>11} {'vs dense':>9}",
+    ]
     corpora = list(report.measurements.get("dense", {}))
     for corpus in corpora:
         dense = report.measurements["dense"][corpus]["perplexity"]
@@ -417,6 +425,7 @@ def run(
         train_seconds=result.seconds,
         first_loss=losses[0]["loss"] if losses else math.nan,
         final_loss=result.final_loss,
+        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )
     if main:
         save_adapter(trainer.unwrapped(), out / ADAPTER_DIR, record)
