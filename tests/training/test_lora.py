@@ -29,7 +29,6 @@ from flashlm.store.fuse import (
     ADAPTER_WEIGHTS,
     AdapterCorruptError,
     AdapterMismatchError,
-    fuse_adapter,
 )
 from flashlm.training.lora import (
     ADAPTER_DIR,
@@ -46,6 +45,7 @@ from flashlm.training.lora import (
 )
 from flashlm.training.relufy import lora_targets
 from flashlm.training.trainer import LOG_NAME, RESULT_NAME, read_log
+from flashlm.workflows.fuse import fuse_adapter
 
 IDS = torch.arange(3, 40).reshape(1, -1)
 

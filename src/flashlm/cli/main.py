@@ -523,7 +523,7 @@ def cmd_train_lora(args: argparse.Namespace) -> int:
 def cmd_fuse(args: argparse.Namespace) -> int:
     from ..config import FlashConfig
     from ..methods.mlp import open_checkpoint_store
-    from ..store.fuse import fuse_adapter
+    from ..workflows.fuse import fuse_adapter
 
     store = args.store or open_checkpoint_store(_model_dir(args.model), FlashConfig())
     fused = fuse_adapter(store, args.adapter, None if args.in_place else args.out)

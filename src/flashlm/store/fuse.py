@@ -10,9 +10,8 @@ each projection's delta), written under a temporary name and renamed into place.
 The fused store keeps the checkpoint it came from as its identity for loading (a model loaded from
 that checkpoint streams its MLPs from the fused store), while its own fingerprint chains the old one
 with the adapter's hash and its content hash is that of the fused weights, so anything fitted to the
-old weights (a calibration, predictors) no longer matches it. The calibration and predictors the
-adapter was trained under are carried over, re-keyed: the adapter learned to recover under exactly
-their masks.
+old weights (a calibration, predictors) no longer matches it. (`flashlm.workflows.fuse` carries the
+ones the adapter was trained under over, re-keyed.)
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from safetensors import safe_open
 
 from ..arch import _layer_index, mlp_weight_names, spec_for
 from ..errors import (
-    PredictorsNotFoundError,
     StoreCorruptError,
     StoreMismatchError,
     UnsupportedArchitectureError,
@@ -194,25 +192,11 @@ class _FusedSource:
         return hashlib.sha256(f"{previous}+lora:{self.adapter.sha256}".encode()).hexdigest()
 
 
-def fuse_adapter(
-    store: Store | str | os.PathLike,
-    adapter: str | os.PathLike,
-    dest: str | os.PathLike | None = None,
-    *,
-    progress: bool = True,
-) -> Store:
-    """Write `store` with the LoRA adapter at `adapter` fused into its MLP weights to `dest` (None:
-    replace `store` itself, only once the fused one is complete) and return the fused store, opened.
-
-    Raises `AdapterCorruptError` / `AdapterMismatchError` (see `LoraAdapter.load`).
-    """
-    from ..methods.calibration import Calibration
-    from ..predictors import Predictors
-
-    store = store if isinstance(store, Store) else Store.open(store)
-    loaded = LoraAdapter.load(adapter, store)
-    source = _FusedSource(store, loaded)
-    fused_from = store.manifest["source"].get("fused_from", {})
+def fuse(store: Store, adapter: LoraAdapter, dest: Path | None = None, *, progress: bool = True) -> Store:
+    """Write `store` with `adapter` fused into its MLP weights to `dest` (None: replace `store` itself,
+    only once the fused one is complete) and return the fused store, opened. Its manifest records the
+    checkpoint it derives from and every adapter fused in (`Store.fused_from`)."""
+    fused_from = store.fused_from or {}
     provenance = {
         "fused_from": {
             "checkpoint_fingerprint": fused_from.get("checkpoint_fingerprint", store.fingerprint),
@@ -220,30 +204,16 @@ def fuse_adapter(
             "store_content_sha256": store.content_sha256,
             "adapters": [
                 *fused_from.get("adapters", []),
-                {"path": str(loaded.path), "sha256": loaded.sha256},
+                {"path": str(adapter.path), "sha256": adapter.sha256},
             ],
         }
     }
-    # Read what was fitted to the old weights before an in-place rewrite replaces them.
-    calibration = Calibration.load(store.path, store.content_sha256)
-    try:
-        predictors = Predictors.load(store)
-    except PredictorsNotFoundError:
-        predictors = None
-    target = store.path if dest is None else Path(dest).expanduser()
-    fused = convert(
-        source,
-        target,
+    return convert(
+        _FusedSource(store, adapter),
+        store.path if dest is None else dest,
         dtype=store.dtype,
         kinds=store.kinds,
         progress=progress,
         overwrite=dest is None,
         provenance=provenance,
     )
-    if calibration is not None:
-        calibration.measured_on = calibration.measured_on or calibration.content_sha256
-        calibration.content_sha256 = fused.content_sha256
-        calibration.save(fused.path)
-    if predictors is not None:
-        predictors.save(fused)
-    return fused

@@ -52,7 +52,8 @@ from ..config import FlashConfig
 from ..errors import ConfigError, FlashLMError, UnsupportedArchitectureError
 from ..methods.selection import CATSSelection, DIPSelection, GLUSelection, PredictorSelection, Selection
 from ..methods.specs import parse_method_spec
-from ..store.fuse import ADAPTER_RECORD, fuse_adapter
+from ..store.fuse import ADAPTER_RECORD
+from ..workflows.fuse import fuse_adapter
 from .trainer import TrainConfig, TrainingError, add_trainer_arguments, train_config_from_args
 
 ADAPTER_DIR = "adapter"
@@ -223,12 +224,14 @@ def dense_mlps(model: nn.Module) -> Iterator[None]:
 @dataclass(frozen=True)
 class LoraOptions:
     """The recipe's choices (the trainer's are a `TrainConfig`). `method` is a method spec as the bench
-    takes them (`dip`, `dip-ca`, `cats`, `predictor`, ...), trained at MLP `density`."""
+    takes them (`dip`, `dip-ca`, `cats`, `predictor`, ...), trained at MLP `density` on `store` (None:
+    the model's default store), whose calibration and predictors give the masks."""
 
     output_dir: str | os.PathLike
     model: str | os.PathLike | None = None
     method: str = "dip"
     density: float = 0.5
+    store: str | os.PathLike | None = None
     rank: int = 32
     alpha: float = 32.0
     dropout: float = 0.0
@@ -260,11 +263,12 @@ class LoraOptions:
 
     def flash_config(self) -> FlashConfig:
         """The sparse method the adapters recover (and the fused store is streamed with)."""
-        return FlashConfig(**parse_method_spec(self.method), density=self.density)
+        return FlashConfig(**parse_method_spec(self.method), density=self.density, store=self.store)
 
 
 _RUNTIME_OPTIONS = (
     "output_dir",
+    "store",  # what matters of it, its content hash, is in the run's fingerprint
     "fuse",
     "evaluate",
     "eval_corpora",
@@ -445,7 +449,7 @@ def measure(report: LoraReport, options: LoraOptions, path: Path) -> dict[str, d
 
     stages = {
         "dense": {"method_spec": "dense", "density": 1.0},
-        "sparse": {"method_spec": options.method, "density": options.density},
+        "sparse": {"method_spec": options.method, "density": options.density, "store": options.store},
         "sparse+lora": {
             "method_spec": options.method,
             "density": options.density,
@@ -495,6 +499,7 @@ def build_parser(prog: str = "python -m flashlm.training.lora") -> argparse.Argu
         "--method", default="dip", help=f"method spec to recover ({', '.join(MASKED_MLPS)}, dip-ca, ...)"
     )
     p.add_argument("--density", type=float, default=0.5, help="MLP density (default: 0.5)")
+    p.add_argument("--store", default=None, help="the store to train on and fuse from (default: the model's)")
     p.add_argument("--rank", type=int, default=32, help="LoRA rank (default: 32, the paper's)")
     p.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha (default: 32)")
     p.add_argument("--dropout", type=float, default=0.0)
@@ -519,6 +524,7 @@ def options_from_args(args: argparse.Namespace) -> tuple[LoraOptions, TrainConfi
         model=args.model,
         method=args.method,
         density=args.density,
+        store=args.store,
         rank=args.rank,
         alpha=args.alpha,
         dropout=args.dropout,
