@@ -40,31 +40,40 @@ def perplexity_rows(report: dict) -> list[str]:
     return rows
 
 
+def decode_specs(report: dict, memory_budget: str) -> dict[str, dict]:
+    """The method on the original store and with the adapter fused in (the fused store; for `endor`, the
+    fused pruned checkpoint, compressed when it is loaded)."""
+    options = report["options"]
+    specs = {}
+    for name in ("original", "fused"):
+        spec = flashlm_spec(name, options["method"], options["density"], memory_budget=memory_budget)
+        if name == "fused" and options["method"] == "endor":
+            spec["model"] = report["fused"]
+        elif name == "fused":
+            spec["options"]["store"] = report["fused"]
+        specs[name] = spec
+    return specs
+
+
 def decode_rows(report: dict, args: argparse.Namespace, offload: Path) -> tuple[list[str], dict]:
-    options, model = report["options"], Path(report["model"])
-    stores = {"original store": None, "fused store": report["fused_store"]}
-    speeds: dict[str, list[float]] = {name: [] for name in stores}
-    runs: dict[str, list[dict]] = {name: [] for name in stores}
+    specs = decode_specs(report, args.memory_budget)
+    runs: dict[str, list[dict]] = {name: [] for name in specs}
     for repeat in range(args.repeats):
-        order = list(stores) if repeat % 2 == 0 else list(reversed(stores))
-        for name in order:
-            spec = flashlm_spec(
-                name,
-                options["method"],
-                options["density"],
-                memory_budget=args.memory_budget,
-                store=stores[name],
+        for name in list(specs) if repeat % 2 == 0 else list(reversed(specs)):
+            runs[name].append(
+                run_in_subprocess(
+                    specs[name], Path(report["model"]), new_tokens=args.new_tokens, offload_dir=offload
+                )
             )
-            result = run_in_subprocess(spec, model, new_tokens=args.new_tokens, offload_dir=offload)
-            speeds[name].append(result["decode_tok_s"])
-            runs[name].append(result)
-    before, after = (statistics.median(speeds[name]) for name in stores)
-    label = f"{model.name} {options['method']}@{options['density']}"
+    speeds = {name: [r["decode_tok_s"] for r in results] for name, results in runs.items()}
+    options = report["options"]
     row = (
-        f"| {label} | {', '.join(f'{s:.2f}' for s in speeds['original store'])} "
-        f"| {', '.join(f'{s:.2f}' for s in speeds['fused store'])} | {after / before:.3f} "
-        f"| {runs['original store'][0]['reader_bytes_per_token'] / 1e6:.1f} "
-        f"| {runs['fused store'][0]['reader_bytes_per_token'] / 1e6:.1f} |"
+        f"| {Path(report['model']).name} {options['method']}@{options['density']} "
+        f"| {', '.join(f'{s:.2f}' for s in speeds['original'])} "
+        f"| {', '.join(f'{s:.2f}' for s in speeds['fused'])} "
+        f"| {statistics.median(speeds['fused']) / statistics.median(speeds['original']):.3f} "
+        f"| {runs['original'][0]['reader_bytes_per_token'] / 1e6:.1f} "
+        f"| {runs['fused'][0]['reader_bytes_per_token'] / 1e6:.1f} |"
     )
     return [row], runs
 

@@ -45,7 +45,7 @@ from flashlm.training.lora import (
 )
 from flashlm.training.relufy import lora_targets
 from flashlm.training.trainer import LOG_NAME, RESULT_NAME, read_log
-from flashlm.workflows.fuse import fuse_adapter
+from flashlm.workflows.fuse import fuse_adapter, fuse_pruned_checkpoint
 
 IDS = torch.arange(3, 40).reshape(1, -1)
 
@@ -270,7 +270,7 @@ def test_the_recipe_trains_fuses_and_measures(tiny_dir, tmp_path, capsys):
     assert report == json.loads((out / REPORT_NAME).read_text())
     losses = [r["loss"] for r in read_log(out / TRAIN_DIR / LOG_NAME)]
     assert len(losses) == 8 and sum(losses[-2:]) / 2 < losses[0], losses
-    assert report["fused_store"] == str(out / FUSED_STORE) and (out / ADAPTER_DIR / ADAPTER_RECORD).is_file()
+    assert report["fused"] == str(out / FUSED_STORE) and (out / ADAPTER_DIR / ADAPTER_RECORD).is_file()
     stages = report["measurements"]
     assert list(stages) == ["dense", "sparse", "sparse+lora"]
     for stage in stages.values():
@@ -352,3 +352,59 @@ def test_two_processes_under_accelerate_launch(tiny_dir, tmp_path):
     losses = [r["loss"] for r in read_log(out / TRAIN_DIR / LOG_NAME)]
     assert len(losses) == 8 and sum(losses[-2:]) / 2 < losses[0], losses
     assert (out / FUSED_STORE / "manifest.json").is_file()
+
+
+# ---- a Wanda-pruned model (the Endor method) -----------------------------------------------------------
+
+
+def _pruned(dense: Path, out: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Half of every MLP weight of `dense` zeroed at random, saved with a `pruning.json` naming `dense`
+    (what `flashlm prune` writes; the pattern does not matter here)."""
+    model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".mlp." in name:
+                parameter.mul_(torch.rand(parameter.shape, generator=generator) > 0.5)
+    model.to(dtype).save_pretrained(out)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        if (dense / file).is_file():
+            shutil.copy(dense / file, out / file)
+    (out / "pruning.json").write_text(json.dumps({"method": "wanda", "source": str(dense)}))
+    return out
+
+
+def test_a_fused_pruned_checkpoint_keeps_the_pattern_and_gives_the_adapter_model(fp32_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    pruned = _pruned(fp32_dir, tmp_path / "pruned")
+    adapter, peft_model = _adapter(pruned, tmp_path, _config(method="endor"))
+    expected = _logits(peft_model)
+    fused = fuse_pruned_checkpoint(pruned, adapter, tmp_path / "fused")
+    before, after = load_file(pruned / "model.safetensors"), load_file(fused / "model.safetensors")
+    mlp = [name for name in before if ".mlp." in name]
+    assert mlp and all(torch.equal(after[n] == 0, before[n] == 0) for n in mlp)  # the same pattern
+    assert not all(torch.equal(after[n], before[n]) for n in mlp)  # and new values
+    assert all(torch.equal(after[n], before[n]) for n in before if n not in mlp)
+    plain = AutoModelForCausalLM.from_pretrained(fused, dtype=torch.float32).eval()
+    torch.testing.assert_close(_logits(plain), expected, atol=1e-5, rtol=1e-5)
+    endor = _streamed(fused, _config(method="endor"))
+    torch.testing.assert_close(_logits(endor), expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(FileExistsError, match="new directory"):
+        fuse_pruned_checkpoint(pruned, adapter, tmp_path / "fused")
+
+
+def test_the_recipe_recovers_a_pruned_model_from_its_dense_source(tiny_dir, tmp_path, capsys):
+    _require_corpus()
+    pruned = _pruned(tiny_dir, tmp_path / "pruned", torch.bfloat16)
+    out = tmp_path / "out"
+    assert main([*_common(pruned, out, steps=6), "--method", "endor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fused"] == str(out / "model") and report["options"]["density"] == 1.0
+    assert json.loads((out / "model" / "pruning.json").read_text())["fused_adapters"][0]["path"] == str(
+        out / ADAPTER_DIR
+    )
+    stages = report["measurements"]
+    assert stages["dense"][CORPUS]["perplexity"] != stages["sparse"][CORPUS]["perplexity"]
+    losses = [r["loss"] for r in read_log(out / TRAIN_DIR / LOG_NAME)]
+    assert sum(losses[-2:]) / 2 < losses[0], losses

@@ -522,9 +522,19 @@ def cmd_train_lora(args: argparse.Namespace) -> int:
 
 def cmd_fuse(args: argparse.Namespace) -> int:
     from ..config import FlashConfig
+    from ..errors import ConfigError
     from ..methods.mlp import open_checkpoint_store
-    from ..workflows.fuse import fuse_adapter
+    from ..workflows.fuse import fuse_adapter, fuse_pruned_checkpoint
+    from ..workflows.prune import read_pruning_record
 
+    if args.model and read_pruning_record(_model_dir(args.model)) is not None:
+        if args.in_place:
+            raise ConfigError(
+                "A Wanda-pruned checkpoint is fused into a copy: give --out DIR, not --in-place."
+            )
+        fused_dir = fuse_pruned_checkpoint(_model_dir(args.model), args.adapter, args.out)
+        print(f"fused {args.adapter} into {fused_dir}: load it with FlashConfig(method='endor')")
+        return 0
     store = args.store or open_checkpoint_store(_model_dir(args.model), FlashConfig())
     fused = fuse_adapter(store, args.adapter, None if args.in_place else args.out)
     print(f"fused {args.adapter} into {fused.path} (content sha256 {fused.content_sha256[:16]}...)")
@@ -598,6 +608,7 @@ def _add_train_parser(sub) -> None:
         "fuse", help="rewrite a store with a LoRA adapter (from `flashlm train lora`) fused into its weights"
     )
     fuse.add_argument("--adapter", required=True, help="the adapter directory (OUT/adapter)")
+    # a Wanda-pruned --model gets a fused copy of the checkpoint (Endor compresses it on loading)
     source = fuse.add_mutually_exclusive_group()
     source.add_argument("--model", default=None, help="the model whose store to fuse into (default: smollm2)")
     source.add_argument("--store", default=None, help="the store to fuse into")

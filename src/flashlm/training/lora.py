@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .._version import __version__
@@ -53,11 +54,12 @@ from ..errors import ConfigError, FlashLMError, UnsupportedArchitectureError
 from ..methods.selection import CATSSelection, DIPSelection, GLUSelection, PredictorSelection, Selection
 from ..methods.specs import parse_method_spec
 from ..store.fuse import ADAPTER_RECORD
-from ..workflows.fuse import fuse_adapter
+from ..workflows.fuse import fuse_adapter, fuse_pruned_checkpoint
 from .trainer import TrainConfig, TrainingError, add_trainer_arguments, train_config_from_args
 
 ADAPTER_DIR = "adapter"
 FUSED_STORE = "store.flash"
+FUSED_CHECKPOINT = "model"
 TRAIN_DIR = "train"
 REPORT_NAME = "report.json"
 DEFAULT_TRAIN_CORPORA = ("shakespeare", "jargon", "debian-reference")
@@ -148,6 +150,31 @@ class MaskedPredictor(PredictorSelection, MaskedMLP):
         return self.project("down", self.act(self.project("gate", x)) * self.project("up", x) * keep)
 
 
+class PrunedMLP(MaskedMLP):
+    """A Wanda-pruned MLP (the model the Endor method streams): its zeros are its mask, and adapters keep
+    to them. Each adapted projection computes `W x + ((s·BA) ⊙ M) x` with `M = (W ≠ 0)`, so the fused
+    `W + (s·BA) ⊙ M` keeps the pruning pattern, and with it Endor's compression, while giving exactly
+    the trained model's outputs. (peft's own `merge_and_unload` would add the unmasked delta.)"""
+
+    def __init__(self, owner: nn.Module, spec: MLPSpec, d_model: int, d_ff: int) -> None:
+        super().__init__(owner, spec, d_model, d_ff)
+        for role, name in self.roles.items():
+            self.register_buffer(f"pattern_{role}", getattr(owner, name).weight != 0, persistent=False)
+
+    def project(self, role: str, x: torch.Tensor) -> torch.Tensor:
+        projection = self.get_submodule(self.roles[role])
+        if not hasattr(projection, "get_delta_weight") or projection.disable_adapters or projection.merged:
+            return projection(x)  # no adapter, or a peft adapter switched off
+        out = projection.get_base_layer()(x)
+        pattern = self.get_buffer(f"pattern_{role}")
+        for adapter in projection.active_adapters:
+            out = out + F.linear(x, projection.get_delta_weight(adapter) * pattern)
+        return out
+
+    def masked(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project("down", self.act(self.project("gate", x)) * self.project("up", x))
+
+
 MASKED_MLPS: dict[str, type[MaskedMLP]] = {
     "dip": MaskedDIP,
     "glu": MaskedGLU,
@@ -155,6 +182,7 @@ MASKED_MLPS: dict[str, type[MaskedMLP]] = {
     "gate": MaskedGate,
     "cats": MaskedCATS,
     "predictor": MaskedPredictor,
+    "endor": PrunedMLP,
 }
 """The training-time module of each method LoRA recovery supports."""
 
@@ -190,7 +218,11 @@ def mask_mlps(model: nn.Module, store: Any, config: FlashConfig) -> list[MaskedM
     cls = MASKED_MLPS[config.method]
     masked = []
     for layer, name, owner in find_mlps(model, spec):
-        selection = selection_options(config, layer, store.d_model, store.d_ff, calibration, store.path)
+        selection = (
+            {}
+            if cls is PrunedMLP  # the pruned weights are the mask
+            else selection_options(config, layer, store.d_model, store.d_ff, calibration, store.path)
+        )
         if predictors is not None:
             selection["predictor"] = (
                 predictors[layer].to(next(owner.parameters()).device).requires_grad_(False)
@@ -224,13 +256,14 @@ def dense_mlps(model: nn.Module) -> Iterator[None]:
 @dataclass(frozen=True)
 class LoraOptions:
     """The recipe's choices (the trainer's are a `TrainConfig`). `method` is a method spec as the bench
-    takes them (`dip`, `dip-ca`, `cats`, `predictor`, ...), trained at MLP `density` on `store` (None:
-    the model's default store), whose calibration and predictors give the masks."""
+    takes them (`dip`, `dip-ca`, `cats`, `predictor`, ..., `endor` for a Wanda-pruned checkpoint),
+    trained at MLP `density` (None: 0.5; 1.0 for `endor`, whose sparsity is in its weights) on `store`
+    (None: the model's default store), whose calibration and predictors give the masks."""
 
     output_dir: str | os.PathLike
     model: str | os.PathLike | None = None
     method: str = "dip"
-    density: float = 0.5
+    density: float | None = None
     store: str | os.PathLike | None = None
     rank: int = 32
     alpha: float = 32.0
@@ -247,6 +280,8 @@ class LoraOptions:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        if self.density is None:
+            object.__setattr__(self, "density", 1.0 if self.method == "endor" else 0.5)
         if not 0 < self.density <= 1:
             raise ConfigError(f"density must be in (0, 1], got {self.density}.")
         if self.rank < 1:
@@ -317,7 +352,9 @@ class LoraReport:
     model: str
     options: dict[str, Any]
     adapter: str
-    fused_store: str | None
+    fused: str | None
+    """The store with the adapter fused in (`OUT/store.flash`); for `endor`, the pruned checkpoint with
+    the adapter fused in (`OUT/model`), which the Endor method compresses when it loads it."""
     steps: int
     start_step: int
     train_seconds: float
@@ -407,7 +444,11 @@ def run(
         bias="none",
     )
     student = get_peft_model(model, lora)
-    teacher = ModelTeacher(student, (student.disable_adapter, lambda: dense_mlps(student)))
+    if flash_config.method == "endor":  # the pruned weights are not the dense ones: a frozen dense copy
+        dense = load_checkpoint(dense_source(path), dtype=torch.float32).to(accelerator.device)
+        teacher = ModelTeacher(dense.requires_grad_(False))
+    else:
+        teacher = ModelTeacher(student, (student.disable_adapter, lambda: dense_mlps(student)))
     record = lora_record(options, store, str(path))
     trainer = Trainer(
         student,
@@ -423,7 +464,7 @@ def run(
         model=str(path),
         options={**asdict(options), "train": train.trajectory()},
         adapter=str(out / ADAPTER_DIR),
-        fused_store=None,
+        fused=None,
         steps=train.steps,
         start_step=result.start_step,
         train_seconds=result.seconds,
@@ -433,9 +474,11 @@ def run(
     )
     if main:
         save_adapter(trainer.unwrapped(), out / ADAPTER_DIR, record)
-        if options.fuse:
+        if options.fuse and flash_config.method == "endor":
+            report.fused = str(fuse_pruned_checkpoint(path, out / ADAPTER_DIR, out / FUSED_CHECKPOINT))
+        elif options.fuse:
             fused = fuse_adapter(store, out / ADAPTER_DIR, out / FUSED_STORE, progress=options.progress)
-            report.fused_store = str(fused.path)
+            report.fused = str(fused.path)
         if options.evaluate:
             report.measurements = measure(report, options, path)
         (out / REPORT_NAME).write_text(json.dumps(report.to_dict(), indent=2, default=str))
@@ -444,24 +487,29 @@ def run(
 
 
 def measure(report: LoraReport, options: LoraOptions, path: Path) -> dict[str, dict[str, Any]]:
-    """Perplexity on the test splits: dense (in RAM), the method on the store, on the fused store."""
+    """Perplexity on the test splits: dense (in RAM), the method as trained on, the method with the
+    adapter fused in. For `endor`: the unpruned source, the pruned checkpoint, the fused checkpoint."""
     from ..eval.perplexity import evaluate
 
-    stages = {
-        "dense": {"method_spec": "dense", "density": 1.0},
-        "sparse": {"method_spec": options.method, "density": options.density, "store": options.store},
-        "sparse+lora": {
-            "method_spec": options.method,
-            "density": options.density,
-            "store": report.fused_store,
-        },
-    }
+    sparse = {"method_spec": options.method, "density": options.density}
+    if options.method == "endor":
+        stages = {
+            "dense": (dense_source(path), {"method_spec": "dense", "density": 1.0}),
+            "sparse": (path, sparse),
+            "sparse+lora": (Path(report.fused), sparse),
+        }
+    else:
+        stages = {
+            "dense": (path, {"method_spec": "dense", "density": 1.0}),
+            "sparse": (path, {**sparse, "store": options.store}),
+            "sparse+lora": (path, {**sparse, "store": report.fused}),
+        }
     measurements: dict[str, dict[str, Any]] = {}
-    for stage, kwargs in stages.items():
+    for stage, (model, kwargs) in stages.items():
         for corpus in options.eval_corpora:
             print(f"measuring {stage} on {corpus} ...", file=sys.stderr, flush=True)
             result = evaluate(
-                path,
+                model,
                 corpus,
                 context_length=options.eval_context,
                 num_tokens=options.eval_tokens,
@@ -471,6 +519,19 @@ def measure(report: LoraReport, options: LoraOptions, path: Path) -> dict[str, d
             )
             measurements.setdefault(stage, {})[corpus] = result.to_dict()
     return measurements
+
+
+def dense_source(pruned: Path) -> Path:
+    """The checkpoint a Wanda-pruned one was pruned from (its `pruning.json`): the Endor recipe's teacher."""
+    from ..workflows.prune import read_pruning_record
+
+    record = read_pruning_record(pruned)
+    if record is None or not Path(record.get("source", "")).is_dir():
+        raise ConfigError(
+            f"method='endor' recovers a checkpoint `flashlm prune` wrote, distilling from the checkpoint it "
+            f"was pruned from; {pruned} has no pruning.json naming one that exists here."
+        )
+    return Path(record["source"])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -498,7 +559,7 @@ def build_parser(prog: str = "python -m flashlm.training.lora") -> argparse.Argu
     p.add_argument(
         "--method", default="dip", help=f"method spec to recover ({', '.join(MASKED_MLPS)}, dip-ca, ...)"
     )
-    p.add_argument("--density", type=float, default=0.5, help="MLP density (default: 0.5)")
+    p.add_argument("--density", type=float, default=None, help="MLP density (default: 0.5; endor: 1)")
     p.add_argument("--store", default=None, help="the store to train on and fuse from (default: the model's)")
     p.add_argument("--rank", type=int, default=32, help="LoRA rank (default: 32, the paper's)")
     p.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha (default: 32)")
@@ -556,7 +617,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m flashlm.tr
     if report.measurements:
         print(json.dumps(report.to_dict(), indent=2, default=str) if args.json else format_report(report))
     print(
-        f"adapter {report.adapter}, fused store {report.fused_store}, {time.perf_counter() - started:.0f} s",
+        f"adapter {report.adapter}, fused {report.fused}, {time.perf_counter() - started:.0f} s",
         file=sys.stderr,
     )
     return 0

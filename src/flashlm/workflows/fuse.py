@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import PredictorsNotFoundError
+from ..errors import ConfigError, PredictorsNotFoundError
 from ..methods.calibration import Calibration
 from ..predictors import Predictors
 from ..store import Store
@@ -47,3 +47,58 @@ def fuse_adapter(
     if predictors is not None:
         predictors.save(fused)
     return fused
+
+
+def fuse_pruned_checkpoint(
+    checkpoint: str | os.PathLike, adapter: str | os.PathLike, out_dir: str | os.PathLike
+) -> Path:
+    """Write a copy of the Wanda-pruned `checkpoint` with the LoRA adapter at `adapter` (trained with
+    `method="endor"`) fused into its MLP weights, each delta kept to the pruning pattern:
+    `W + (s·BA) ⊙ (W ≠ 0)`, the weights the adapter was trained as. The copy's `pruning.json` lists the
+    adapter; the Endor method compresses it when it loads it. Written under a temporary name, renamed
+    when complete; returns `out_dir`.
+    """
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ..arch import mlp_weight_names
+    from ..config import FlashConfig
+    from ..methods.mlp import open_checkpoint_store
+    from ..store.sources import SafetensorsSource, mlp_owners
+    from .prune import PRUNING_FILE, read_pruning_record
+
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir).expanduser()
+    record = read_pruning_record(checkpoint)
+    if record is None:
+        raise ConfigError(
+            f"{checkpoint} is not a checkpoint `flashlm prune` wrote (it has no {PRUNING_FILE})."
+        )
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} exists: choose a new directory for the fused checkpoint.")
+    loaded = LoraAdapter.load(adapter, open_checkpoint_store(checkpoint, FlashConfig(), progress=False))
+    source = SafetensorsSource(checkpoint)
+    spec, owners = mlp_owners(source)
+    names = {
+        name: (layer, role)
+        for layer, owner in enumerate(owners)
+        for role, name in mlp_weight_names(spec, owner).items()
+    }
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(checkpoint, tmp)
+        for file in sorted(tmp.glob("*.safetensors")):
+            tensors = load_file(file)
+            for name, tensor in tensors.items():
+                delta = loaded.deltas.get(names.get(name, (-1, "")))
+                if delta is not None:
+                    tensors[name] = (tensor.float() + delta * (tensor != 0)).to(tensor.dtype)
+            save_file(tensors, file, metadata={"format": "pt"})
+        adapters = [*record.get("fused_adapters", []), {"path": str(loaded.path), "sha256": loaded.sha256}]
+        (tmp / PRUNING_FILE).write_text(json.dumps({**record, "fused_adapters": adapters}, indent=2) + "\n")
+        os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
