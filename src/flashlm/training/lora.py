@@ -55,15 +55,22 @@ from ..methods.selection import CATSSelection, DIPSelection, GLUSelection, Predi
 from ..methods.specs import parse_method_spec
 from ..store.fuse import ADAPTER_RECORD
 from ..workflows.fuse import fuse_adapter, fuse_pruned_checkpoint
-from .trainer import TrainConfig, TrainingError, add_trainer_arguments, train_config_from_args
+from .trainer import (
+    DEFAULT_EVAL_CORPORA,
+    DEFAULT_TRAIN_CORPORA,
+    TrainConfig,
+    TrainingError,
+    add_eval_arguments,
+    add_recipe_arguments,
+    add_trainer_arguments,
+    train_config_from_args,
+)
 
 ADAPTER_DIR = "adapter"
 FUSED_STORE = "store.flash"
 FUSED_CHECKPOINT = "model"
 TRAIN_DIR = "train"
 REPORT_NAME = "report.json"
-DEFAULT_TRAIN_CORPORA = ("shakespeare", "jargon", "debian-reference")
-DEFAULT_EVAL_CORPORA = ("shakespeare", "jargon")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -539,10 +546,6 @@ def dense_source(pruned: Path) -> Path:
 # --------------------------------------------------------------------------------------------------
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
 def build_parser(prog: str = "python -m flashlm.training.lora") -> argparse.ArgumentParser:
     """The recipe's arguments (shared by `python -m`, `accelerate launch -m` and `flashlm train lora`)."""
     p = argparse.ArgumentParser(
@@ -550,12 +553,7 @@ def build_parser(prog: str = "python -m flashlm.training.lora") -> argparse.Argu
         description="Train LoRA adapters on a sparse model's MLPs by distillation from the dense model "
         "(DIP paper §4), save them, fuse them into a copy of the store and measure perplexity.",
     )
-    p.add_argument(
-        "--out", required=True, help="output directory: train/, adapter/, store.flash, report.json"
-    )
-    p.add_argument(
-        "--model", default=None, help="bundled model name or checkpoint directory (default: smollm2-135m)"
-    )
+    add_recipe_arguments(p, outputs="train/, adapter/, store.flash, report.json")
     p.add_argument(
         "--method", default="dip", help=f"method spec to recover ({', '.join(MASKED_MLPS)}, dip-ca, ...)"
     )
@@ -564,17 +562,9 @@ def build_parser(prog: str = "python -m flashlm.training.lora") -> argparse.Argu
     p.add_argument("--rank", type=int, default=32, help="LoRA rank (default: 32, the paper's)")
     p.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha (default: 32)")
     p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument(
-        "--corpora", type=_names, default=DEFAULT_TRAIN_CORPORA, help="training corpora (calibration splits)"
-    )
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence (default: 128)")
     add_trainer_arguments(p, steps=1000, lr_default="1e-3")
-    p.add_argument("--no-eval", dest="evaluate", action="store_false", help="skip the measurements")
-    p.add_argument("--eval-corpora", type=_names, default=DEFAULT_EVAL_CORPORA, help="test-split corpora")
-    p.add_argument("--eval-tokens", type=int, default=4096, help="test tokens per corpus (default: 4096)")
-    p.add_argument("--eval-context", type=int, default=512, help="perplexity window (default: 512)")
+    add_eval_arguments(p)
     p.add_argument("--memory-budget", default=None, help="the flashlm rows' budget (default: FlashConfig's)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 
 

@@ -66,7 +66,16 @@ from .activations import (
 from .checkpoints import (
     load_relufied,
 )
-from .trainer import TrainConfig, TrainingError, add_trainer_arguments, train_config_from_args
+from .trainer import (
+    DEFAULT_EVAL_CORPORA,
+    DEFAULT_TRAIN_CORPORA,
+    TrainConfig,
+    TrainingError,
+    add_eval_arguments,
+    add_recipe_arguments,
+    add_trainer_arguments,
+    train_config_from_args,
+)
 
 MODEL_DIR = "model"
 TRAIN_DIR = "train"
@@ -74,9 +83,6 @@ REPORT_NAME = "report.json"
 THRESHOLDS_NAME = "thresholds.json"
 RECORD_NAME = "relufication.json"
 """Beside the saved checkpoint's config.json: how it was made and what was measured."""
-
-DEFAULT_TRAIN_CORPORA = ("shakespeare", "jargon", "debian-reference")
-DEFAULT_EVAL_CORPORA = ("shakespeare", "jargon")
 
 
 def default_lr(mode: str) -> float:
@@ -548,10 +554,6 @@ def _same_logits(a: nn.Module, b: nn.Module, ids: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
 def build_parser(prog: str = "python -m flashlm.training.relufy") -> argparse.ArgumentParser:
     """The recipe's arguments (shared by `python -m`, `accelerate launch -m` and `flashlm train relufy`)."""
     p = argparse.ArgumentParser(
@@ -559,12 +561,7 @@ def build_parser(prog: str = "python -m flashlm.training.relufy") -> argparse.Ar
         description="Relufy a SwiGLU model (ReLU / FATReLU in place of the MLP activation), fine-tune it by "
         "distillation from the dense model, save it and measure sparsity and perplexity.",
     )
-    p.add_argument(
-        "--out", required=True, help="output directory: train/ (log, checkpoints), model/, report.json"
-    )
-    p.add_argument(
-        "--model", default=None, help="bundled model name or checkpoint directory (default: smollm2-135m)"
-    )
+    add_recipe_arguments(p, outputs="train/ (log, checkpoints), model/, report.json")
     p.add_argument("--activation", choices=(RELU, FATRELU), default=FATRELU, help="default: fatrelu")
     p.add_argument("--threshold", type=float, default=None, help="one FATReLU threshold for every layer")
     p.add_argument(
@@ -590,22 +587,14 @@ def build_parser(prog: str = "python -m flashlm.training.relufy") -> argparse.Ar
         help="shared (LoRA default): the student with adapters off and dense activations; "
         "copy: a frozen copy of the dense model",
     )
-    p.add_argument(
-        "--corpora", type=_names, default=DEFAULT_TRAIN_CORPORA, help="training corpora (calibration splits)"
-    )
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence (default: 128)")
     add_trainer_arguments(p, steps=500, lr_default="1e-3 with LoRA, 5e-4 full")
     p.add_argument(
         "--save-dtype", default="auto", help="dtype of the saved checkpoint (default: the source's)"
     )
-    p.add_argument("--no-eval", dest="evaluate", action="store_false", help="skip the measurements")
-    p.add_argument("--eval-corpora", type=_names, default=DEFAULT_EVAL_CORPORA, help="test-split corpora")
-    p.add_argument("--eval-tokens", type=int, default=4096, help="test tokens per corpus (default: 4096)")
-    p.add_argument("--eval-context", type=int, default=512, help="perplexity window (default: 512)")
+    add_eval_arguments(p)
     p.add_argument(
         "--eval-dtype", default="float32", help="dtype every measured model runs in (default: float32)"
     )
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p
 
 

@@ -230,6 +230,39 @@ class TrainConfig:
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+DEFAULT_TRAIN_CORPORA = ("shakespeare", "jargon", "debian-reference")
+DEFAULT_EVAL_CORPORA = ("shakespeare", "jargon")
+
+
+def names(text: str) -> tuple[str, ...]:
+    """A comma-separated list on the command line (`shakespeare,jargon`)."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def add_recipe_arguments(parser: argparse.ArgumentParser, *, outputs: str) -> None:
+    """What every recipe's command line starts with: `--out` (holding `outputs`), `--model`, the training
+    corpora and sequence length."""
+    p = parser
+    p.add_argument("--out", required=True, help=f"output directory: {outputs}")
+    p.add_argument(
+        "--model", default=None, help="bundled model name or checkpoint directory (default: smollm2-135m)"
+    )
+    p.add_argument(
+        "--corpora", type=names, default=DEFAULT_TRAIN_CORPORA, help="training corpora (calibration splits)"
+    )
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence (default: 128)")
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    """The recipes' measurement options: `--no-eval`, the test-split corpora, tokens and window."""
+    p = parser
+    p.add_argument("--no-eval", dest="evaluate", action="store_false", help="skip the measurements")
+    p.add_argument("--eval-corpora", type=names, default=DEFAULT_EVAL_CORPORA, help="test-split corpora")
+    p.add_argument("--eval-tokens", type=int, default=4096, help="test tokens per corpus (default: 4096)")
+    p.add_argument("--eval-context", type=int, default=512, help="perplexity window (default: 512)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
 def add_trainer_arguments(parser: argparse.ArgumentParser, *, steps: int, lr_default: str) -> None:
     """The command-line options of a `TrainConfig` (and `--mixed-precision`, `--no-progress`), shared by
     the recipes; `lr_default` says in the help what `--lr` defaults to (the recipe decides)."""
