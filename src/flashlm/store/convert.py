@@ -110,7 +110,7 @@ def staged_directory(dest: Path, *, overwrite: bool) -> Iterator[Path]:
         ) from exc
     try:
         yield tmp
-        _move_into_place(tmp, dest)
+        move_into_place(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -479,10 +479,10 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(a), None, str(b))
 
 
-def _move_into_place(tmp: Path, dest: Path) -> None:
-    """Rename the finished `tmp` to `dest`, replacing an old store only once the new one is in place: in
-    one atomic exchange where the system allows (a kill at any point leaves one whole store at `dest`),
-    else by moving the old one aside first."""
+def move_into_place(tmp: Path, dest: Path) -> None:
+    """Rename the finished directory `tmp` to `dest` (a store, an adapter), replacing an old one only once
+    the new one is in place: in one atomic exchange where the system allows (a kill at any point leaves
+    one whole directory at `dest`), else by moving the old one aside first."""
     if (dest.exists() or dest.is_symlink()) and _exchange(tmp, dest):
         _remove(tmp)  # now the old store
     elif dest.exists() or dest.is_symlink():

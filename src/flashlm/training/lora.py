@@ -337,7 +337,7 @@ def lora_record(options: LoraOptions, store: Any, model: str) -> dict[str, Any]:
 def save_adapter(peft_model: nn.Module, path: str | os.PathLike, record: dict[str, Any]) -> Path:
     """Save `peft_model`'s adapter to `path` with peft's `save_pretrained`, plus `flashlm_lora.json`;
     written under a temporary name and renamed, replacing an adapter already there."""
-    from ..store.convert import _move_into_place
+    from ..store.convert import move_into_place
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -345,7 +345,7 @@ def save_adapter(peft_model: nn.Module, path: str | os.PathLike, record: dict[st
     try:
         peft_model.save_pretrained(str(tmp))
         (tmp / ADAPTER_RECORD).write_text(json.dumps(record, indent=2))
-        _move_into_place(tmp, path)
+        move_into_place(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
