@@ -105,11 +105,11 @@ class MaskedMLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        if self.masking:
-            out = self.masked(x)
-        else:
-            out = self.project("down", self.act(self.project("gate", x)) * self.project("up", x))
+        out = self.masked(x) if self.masking else self.dense(x)
         return out.reshape(*hidden_states.shape[:-1], out.shape[-1])
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project("down", self.act(self.project("gate", x)) * self.project("up", x))
 
     def masked(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -179,7 +179,7 @@ class PrunedMLP(MaskedMLP):
         return out
 
     def masked(self, x: torch.Tensor) -> torch.Tensor:
-        return self.project("down", self.act(self.project("gate", x)) * self.project("up", x))
+        return self.dense(x)  # the mask is in the weights, and in `project` for the adapters
 
 
 MASKED_MLPS: dict[str, type[MaskedMLP]] = {
