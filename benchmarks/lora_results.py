@@ -41,16 +41,16 @@ def perplexity_rows(report: dict) -> list[str]:
 
 
 def decode_specs(report: dict, memory_budget: str) -> dict[str, dict]:
-    """The method on the original store and with the adapter fused in (the fused store; for `endor`, the
-    fused pruned checkpoint, compressed when it is loaded)."""
+    """The method on the store it was trained on and with the adapter fused in (the fused store; for
+    `endor`, the pruned checkpoint and the fused one, each compressed when it is loaded)."""
     options = report["options"]
     specs = {}
     for name in ("original", "fused"):
         spec = flashlm_spec(name, options["method"], options["density"], memory_budget=memory_budget)
         if name == "fused" and options["method"] == "endor":
             spec["model"] = report["fused"]
-        elif name == "fused":
-            spec["options"]["store"] = report["fused"]
+        elif options["method"] != "endor":
+            spec["options"]["store"] = report["fused"] if name == "fused" else report["store"]
         specs[name] = spec
     return specs
 

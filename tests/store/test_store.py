@@ -242,6 +242,25 @@ def test_module_and_checkpoint_give_the_same_store(checkpoint: Checkpoint, tmp_p
         assert filecmp.cmp(from_disk.path / relative, from_module.path / relative, shallow=False)
 
 
+def test_other_weights_in_the_same_shapes_get_another_fingerprint(
+    checkpoint: Checkpoint, tmp_path: Path
+) -> None:
+    # A pruned or fused copy has the same file names, sizes and headers: only the weights differ.
+    import os
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoint.path, copy)  # copies modification times: the same checkpoint
+    assert SafetensorsSource(copy).fingerprint() == SafetensorsSource(checkpoint.path).fingerprint()
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # another value in the last weight, written later
+    weights.write_bytes(bytes(data))
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert SafetensorsSource(copy).fingerprint() != SafetensorsSource(checkpoint.path).fingerprint()
+
+
 def test_sharded_checkpoint_converts_identically(checkpoint: Checkpoint, tmp_path: Path) -> None:
     sharded = tmp_path / "sharded"
     checkpoint.model.save_pretrained(sharded, max_shard_size="20KB")

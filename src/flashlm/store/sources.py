@@ -125,11 +125,14 @@ class SafetensorsSource:
             return f.get_tensor(name)
 
     def fingerprint(self) -> str:
-        """sha256 over each file's name, size and raw header: changes with any re-save, reads no weights."""
+        """sha256 over each file's name, size, modification time and raw header: reads no weights, and
+        changes with any re-save, even of other weights in the same shapes (a pruned or fused copy has
+        the same headers and sizes). A copy that keeps modification times (`cp -p`) keeps it."""
         digest = hashlib.sha256()
         for file in sorted(self.files, key=lambda f: f.name):
+            stat = file.stat()
             digest.update(file.name.encode())
-            digest.update(str(file.stat().st_size).encode())
+            digest.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
             digest.update(self._headers[file])
         return digest.hexdigest()
 

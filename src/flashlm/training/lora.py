@@ -358,6 +358,8 @@ class LoraReport:
 
     model: str
     options: dict[str, Any]
+    store: str
+    """The store trained on, whose calibration and predictors gave the masks."""
     adapter: str
     fused: str | None
     """The store with the adapter fused in (`OUT/store.flash`); for `endor`, the pruned checkpoint with
@@ -470,6 +472,7 @@ def run(
     report = LoraReport(
         model=str(path),
         options={**asdict(options), "train": train.trajectory()},
+        store=str(store.path),
         adapter=str(out / ADAPTER_DIR),
         fused=None,
         steps=train.steps,
