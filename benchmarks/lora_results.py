@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from flashlm.eval.decode import flashlm_spec, run_in_subprocess
+from flashlm.training.lora import gap_closed
 
 
 def perplexity_rows(report: dict) -> list[str]:
@@ -30,7 +31,7 @@ def perplexity_rows(report: dict) -> list[str]:
         sparse = report["measurements"]["sparse"][corpus]["perplexity"]
         lora = report["measurements"]["sparse+lora"][corpus]["perplexity"]
         base = dense["perplexity"]
-        closed = (sparse - lora) / (sparse - base) if sparse != base else float("nan")
+        closed = gap_closed(base, sparse, lora)
         rows.append(
             f"| {Path(report['model']).name} | {options['method']}@{options['density']} "
             f"| {options['train']['steps']} | {corpus} | {base:.2f} "

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..arch import _layer_index, mlp_weight_names, spec_for
+from ..arch import MLPSpec, _layer_index, mlp_weight_names, spec_for
 from ..errors import (
     StoreCorruptError,
     StoreMismatchError,
@@ -51,16 +51,22 @@ class AdapterMismatchError(StoreMismatchError):
 
 @dataclass(frozen=True)
 class LoraAdapter:
-    """A LoRA adapter's MLP deltas, read from a peft adapter directory and checked against a store.
-
-    `deltas[(layer, role)]` is `scaling · B @ A` in float32, shaped as the projection's weight (`role`:
-    `gate`, `up`, `down`); projections the adapter does not touch are absent.
-    """
+    """A LoRA adapter of a store's MLP projections, read from a peft adapter directory and checked
+    against the store: its factors `(B, A)` by `(layer, role)` (`role`: `gate`, `up`, `down`; projections
+    it does not touch are absent) and its `scaling`."""
 
     path: Path
     sha256: str
-    record: dict[str, Any]
-    deltas: dict[tuple[int, str], torch.Tensor]
+    factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    scaling: float
+
+    def delta(self, layer: int, role: str) -> torch.Tensor | None:
+        """`scaling · B @ A` of one projection in float32, shaped as its weight; None if not adapted.
+        Computed when asked: a whole model's deltas in float32 would take twice its bf16 weights."""
+        if (layer, role) not in self.factors:
+            return None
+        b, a = self.factors[(layer, role)]
+        return self.scaling * (b.float() @ a.float())
 
     @classmethod
     def load(cls, path: str | os.PathLike, store: Store) -> LoraAdapter:
@@ -79,8 +85,7 @@ class LoraAdapter:
             )
         try:
             config = json.loads(files[ADAPTER_CONFIG].read_text())
-            record = json.loads(files[ADAPTER_RECORD].read_text())
-            trained_on = str(record["store_content_sha256"])
+            trained_on = str(json.loads(files[ADAPTER_RECORD].read_text())["store_content_sha256"])
             with safe_open(str(files[ADAPTER_WEIGHTS]), framework="pt", device="cpu") as f:
                 tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
         except Exception as exc:  # safetensors raises its own SafetensorError (no public base class)
@@ -93,16 +98,17 @@ class LoraAdapter:
                 f"{trained_on[:12]}...) than the store {store.path} holds ({store.content_sha256[:12]}...). "
                 "Fuse it into the store it was trained on, or train an adapter for this one."
             )
-        deltas = _deltas(config, tensors, store, path, retrain)
+        factors, scaling = _factors(config, tensors, store, path, retrain)
         digest = hashlib.sha256(files[ADAPTER_CONFIG].read_bytes())
         digest.update(files[ADAPTER_WEIGHTS].read_bytes())
-        return cls(path=path, sha256=digest.hexdigest(), record=record, deltas=deltas)
+        return cls(path=path, sha256=digest.hexdigest(), factors=factors, scaling=scaling)
 
 
-def _deltas(
+def _factors(
     config: dict[str, Any], tensors: dict[str, torch.Tensor], store: Store, path: Path, retrain: str
-) -> dict[tuple[int, str], torch.Tensor]:
-    """`scaling · B @ A` of every adapted MLP projection, checked against the store's shapes."""
+) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], float]:
+    """The `(B, A)` factors of every adapted MLP projection, checked against the store's shapes, and the
+    scaling."""
     if config.get("peft_type") != "LORA" or config.get("use_dora") or config.get("fan_in_fan_out"):
         raise AdapterCorruptError(
             f"{path} is not a plain LoRA adapter (peft_type {config.get('peft_type')!r}, use_dora "
@@ -126,7 +132,7 @@ def _deltas(
         "up": (store.d_ff, store.d_model),
         "down": (store.d_model, store.d_ff),
     }
-    deltas = {}
+    factors = {}
     for name in tensors:
         if not name.endswith(".lora_A.weight"):
             if not name.endswith(".lora_B.weight"):
@@ -152,10 +158,19 @@ def _deltas(
                 f"{path}: the LoRA matrices of {module!r} (B {None if b is None else list(b.shape)}, "
                 f"A {list(a.shape)}) do not make the {role} projection's {list(shapes[role])}. {retrain}"
             )
-        deltas[(layer, role)] = scaling * (b.float() @ a.float())
-    if not deltas:
+        factors[(layer, role)] = (b, a)
+    if not factors:
         raise AdapterCorruptError(f"{path} holds no LoRA matrices. {retrain}")
-    return deltas
+    return factors, scaling
+
+
+def roles_by_name(spec: MLPSpec, owners: list[str]) -> dict[str, tuple[int, str]]:
+    """`(layer, role)` of each MLP tensor name of a checkpoint whose MLP owners are `owners` (by layer)."""
+    return {
+        name: (layer, role)
+        for layer, owner in enumerate(owners)
+        for role, name in mlp_weight_names(spec, owner).items()
+    }
 
 
 class _FusedSource:
@@ -166,10 +181,8 @@ class _FusedSource:
         self.model_type = store.model_type
         self.path = store.manifest["source"].get("path")
         spec = spec_for(store.model_type)
-        self._names = {}
-        for layer in range(store.num_layers):
-            for role, name in mlp_weight_names(spec, f"layers.{layer}.{spec.owner}".rstrip(".")).items():
-                self._names[name] = (layer, role)
+        owners = [f"layers.{layer}.{spec.owner}".rstrip(".") for layer in range(store.num_layers)]
+        self._names = roles_by_name(spec, owners)
         self._layer: tuple[int, dict[str, torch.Tensor]] | None = None
 
     def names(self) -> list[str]:
@@ -183,7 +196,7 @@ class _FusedSource:
         if self._layer is None or self._layer[0] != layer:
             self._layer = (layer, layer_weights(self.store, layer) | self.store.resident(layer))
         weight = self._layer[1][role]
-        delta = self.adapter.deltas.get((layer, role))
+        delta = self.adapter.delta(layer, role)
         return weight if delta is None else (weight.float() + delta).to(weight.dtype)
 
     def fingerprint(self) -> str:

@@ -380,8 +380,13 @@ class LoraReport:
     def gap_closed(self, corpus: str) -> float:
         """The fraction of the sparse model's perplexity gap to dense that the adapter closes."""
         m = self.measurements
-        dense, sparse, lora = (m[stage][corpus]["perplexity"] for stage in ("dense", "sparse", "sparse+lora"))
-        return (sparse - lora) / (sparse - dense) if sparse != dense else math.nan
+        return gap_closed(*(m[stage][corpus]["perplexity"] for stage in ("dense", "sparse", "sparse+lora")))
+
+
+def gap_closed(dense: float, sparse: float, recovered: float) -> float:
+    """`(sparse - recovered) / (sparse - dense)`: the share of the sparse model's perplexity gap to the
+    dense model that recovery closes (NaN when there is no gap)."""
+    return (sparse - recovered) / (sparse - dense) if sparse != dense else math.nan
 
 
 def format_report(report: LoraReport) -> str:

@@ -9,14 +9,22 @@ re-keyed to the fused weights, the calibration recording the weights it was meas
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
+from safetensors.torch import load_file, save_file
+
+from ..config import FlashConfig
 from ..errors import ConfigError, PredictorsNotFoundError
 from ..methods.calibration import Calibration
+from ..methods.mlp import open_checkpoint_store
 from ..predictors import Predictors
 from ..store import Store
-from ..store.fuse import LoraAdapter, fuse
+from ..store.fuse import LoraAdapter, fuse, roles_by_name
+from ..store.sources import SafetensorsSource, mlp_owners
+from .prune import PRUNING_FILE, read_pruning_record
 
 
 def fuse_adapter(
@@ -58,17 +66,6 @@ def fuse_pruned_checkpoint(
     adapter; the Endor method compresses it when it loads it. Written under a temporary name, renamed
     when complete; returns `out_dir`.
     """
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from ..arch import mlp_weight_names
-    from ..config import FlashConfig
-    from ..methods.mlp import open_checkpoint_store
-    from ..store.sources import SafetensorsSource, mlp_owners
-    from .prune import PRUNING_FILE, read_pruning_record
-
     checkpoint, out_dir = Path(checkpoint), Path(out_dir).expanduser()
     record = read_pruning_record(checkpoint)
     if record is None:
@@ -78,13 +75,7 @@ def fuse_pruned_checkpoint(
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} exists: choose a new directory for the fused checkpoint.")
     loaded = LoraAdapter.load(adapter, open_checkpoint_store(checkpoint, FlashConfig(), progress=False))
-    source = SafetensorsSource(checkpoint)
-    spec, owners = mlp_owners(source)
-    names = {
-        name: (layer, role)
-        for layer, owner in enumerate(owners)
-        for role, name in mlp_weight_names(spec, owner).items()
-    }
+    names = roles_by_name(*mlp_owners(SafetensorsSource(checkpoint)))
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -92,7 +83,7 @@ def fuse_pruned_checkpoint(
         for file in sorted(tmp.glob("*.safetensors")):
             tensors = load_file(file)
             for name, tensor in tensors.items():
-                delta = loaded.deltas.get(names.get(name, (-1, "")))
+                delta = loaded.delta(*names[name]) if name in names else None
                 if delta is not None:
                     tensors[name] = (tensor.float() + delta * (tensor != 0)).to(tensor.dtype)
             save_file(tensors, file, metadata={"format": "pt"})
