@@ -277,6 +277,10 @@ def test_the_recipe_trains_fuses_and_measures(tiny_dir, tmp_path, capsys):
         assert stage[CORPUS]["perplexity"] > 1 and stage[CORPUS]["tokens"] == 8 * 63
     assert stages["sparse"][CORPUS]["mlp_density"] < 0.75
     assert stages["sparse+lora"][CORPUS]["perplexity"] != stages["sparse"][CORPUS]["perplexity"]
+    # run again, unchanged: the run is complete, so it only saves and fuses again, replacing its outputs
+    argv = [*_common(tiny_dir, out, steps=8), "--method", "dip-ca", "--density", "0.5", "--no-eval"]
+    assert main(argv) == 0
+    assert len(read_log(out / TRAIN_DIR / LOG_NAME)) == 8 and Store.open(out / FUSED_STORE).fused_from
 
 
 def test_flashlm_train_lora_and_fuse_on_the_command_line(tiny_dir, tmp_path, capsys):

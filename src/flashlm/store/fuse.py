@@ -205,9 +205,17 @@ class _FusedSource:
         return hashlib.sha256(f"{previous}+lora:{self.adapter.sha256}".encode()).hexdigest()
 
 
-def fuse(store: Store, adapter: LoraAdapter, dest: Path | None = None, *, progress: bool = True) -> Store:
-    """Write `store` with `adapter` fused into its MLP weights to `dest` (None: replace `store` itself,
-    only once the fused one is complete) and return the fused store, opened. Its manifest records the
+def fuse(
+    store: Store,
+    adapter: LoraAdapter,
+    dest: Path | None = None,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Store:
+    """Write `store` with `adapter` fused into its MLP weights to `dest` (None: replace `store` itself;
+    `overwrite`: replace a store at `dest`; either only once the fused one is complete) and return the
+    fused store, opened. Its manifest records the
     checkpoint it derives from and every adapter fused in (`Store.fused_from`)."""
     fused_from = store.fused_from or {}
     provenance = {
@@ -227,6 +235,6 @@ def fuse(store: Store, adapter: LoraAdapter, dest: Path | None = None, *, progre
         dtype=store.dtype,
         kinds=store.kinds,
         progress=progress,
-        overwrite=dest is None,
+        overwrite=overwrite or dest is None,
         provenance=provenance,
     )

@@ -490,9 +490,14 @@ def run(
     if main:
         save_adapter(trainer.unwrapped(), out / ADAPTER_DIR, record)
         if options.fuse and flash_config.method == "endor":
-            report.fused = str(fuse_pruned_checkpoint(path, out / ADAPTER_DIR, out / FUSED_CHECKPOINT))
-        elif options.fuse:
-            fused = fuse_adapter(store, out / ADAPTER_DIR, out / FUSED_STORE, progress=options.progress)
+            fused_dir = fuse_pruned_checkpoint(
+                path, out / ADAPTER_DIR, out / FUSED_CHECKPOINT, overwrite=True
+            )
+            report.fused = str(fused_dir)
+        elif options.fuse:  # the run's own output: a run started again replaces it
+            fused = fuse_adapter(
+                store, out / ADAPTER_DIR, out / FUSED_STORE, overwrite=True, progress=options.progress
+            )
             report.fused = str(fused.path)
         if options.evaluate:
             report.measurements = measure(report, options, path)

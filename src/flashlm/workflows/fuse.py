@@ -22,6 +22,7 @@ from ..methods.calibration import Calibration
 from ..methods.mlp import open_checkpoint_store
 from ..predictors import Predictors
 from ..store import Store
+from ..store.convert import move_into_place
 from ..store.fuse import LoraAdapter, fuse, roles_by_name
 from ..store.sources import SafetensorsSource, mlp_owners
 from .prune import PRUNING_FILE, read_pruning_record
@@ -32,10 +33,12 @@ def fuse_adapter(
     adapter: str | os.PathLike,
     dest: str | os.PathLike | None = None,
     *,
+    overwrite: bool = False,
     progress: bool = True,
 ) -> Store:
-    """Write `store` with the LoRA adapter at `adapter` fused in to `dest` (None: replace `store` once the
-    fused one is complete); returns the fused store, opened.
+    """Write `store` with the LoRA adapter at `adapter` fused in to `dest` (None: replace `store`;
+    `overwrite`: replace a store at `dest`; either once the fused one is complete); returns the fused
+    store, opened.
 
     Raises `AdapterCorruptError` / `AdapterMismatchError` (see `flashlm.store.fuse.LoraAdapter.load`).
     """
@@ -47,7 +50,8 @@ def fuse_adapter(
         predictors = Predictors.load(store)
     except PredictorsNotFoundError:
         predictors = None
-    fused = fuse(store, loaded, None if dest is None else Path(dest).expanduser(), progress=progress)
+    dest = None if dest is None else Path(dest).expanduser()
+    fused = fuse(store, loaded, dest, overwrite=overwrite, progress=progress)
     if calibration is not None:
         calibration.measured_on = calibration.measured_on or calibration.content_sha256
         calibration.content_sha256 = fused.content_sha256
@@ -58,13 +62,17 @@ def fuse_adapter(
 
 
 def fuse_pruned_checkpoint(
-    checkpoint: str | os.PathLike, adapter: str | os.PathLike, out_dir: str | os.PathLike
+    checkpoint: str | os.PathLike,
+    adapter: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    overwrite: bool = False,
 ) -> Path:
     """Write a copy of the Wanda-pruned `checkpoint` with the LoRA adapter at `adapter` (trained with
     `method="endor"`) fused into its MLP weights, each delta kept to the pruning pattern:
     `W + (s·BA) ⊙ (W ≠ 0)`, the weights the adapter was trained as. The copy's `pruning.json` lists the
     adapter; the Endor method compresses it when it loads it. Written under a temporary name, renamed
-    when complete; returns `out_dir`.
+    when complete (replacing a directory there only with `overwrite`); returns `out_dir`.
     """
     checkpoint, out_dir = Path(checkpoint), Path(out_dir).expanduser()
     record = read_pruning_record(checkpoint)
@@ -72,7 +80,7 @@ def fuse_pruned_checkpoint(
         raise ConfigError(
             f"{checkpoint} is not a checkpoint `flashlm prune` wrote (it has no {PRUNING_FILE})."
         )
-    if out_dir.exists():
+    if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} exists: choose a new directory for the fused checkpoint.")
     loaded = LoraAdapter.load(adapter, open_checkpoint_store(checkpoint, FlashConfig(), progress=False))
     names = roles_by_name(*mlp_owners(SafetensorsSource(checkpoint)))
@@ -89,7 +97,7 @@ def fuse_pruned_checkpoint(
             save_file(tensors, file, metadata={"format": "pt"})
         adapters = [*record.get("fused_adapters", []), {"path": str(loaded.path), "sha256": loaded.sha256}]
         (tmp / PRUNING_FILE).write_text(json.dumps({**record, "fused_adapters": adapters}, indent=2) + "\n")
-        os.rename(tmp, out_dir)
+        move_into_place(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
