@@ -12,8 +12,11 @@ The rows, cumulative:
 - `+ read-ahead`: DIP's default read-ahead: every uncached input column of the next layer where merged
   reads would cover nearly all of them anyway (small units: SmolLM2), else the layer-ahead guess (the
   columns the next layer would select for this layer's input: Qwen2.5-1.5B).
-- `cache split by size`: the last row with the budget shared in proportion to each kind's size
-  instead of by read cost (a lever that loses on a disk whose small reads are expensive).
+- `+ hot set S`: `hot_share=S` of the cache pinned to the units DIP needs most often, PowerInfer's hot
+  set, placed from the store's unit profile of DIP at `--density` (`flashlm profile`; measured first
+  when the store has none, on `--profile-tokens` of the Shakespeare calibration split).
+- `cache split by size`: the `+ read-ahead` row with the budget shared in proportion to each kind's
+  size instead of by read cost (a lever that loses on a disk whose small reads are expensive).
 
 Per row: decode tokens/s and its ratio to `dense`, MB read and requests per token, hit rate, and the
 split of a token's time (selection / cache bookkeeping / I/O wait / compute, from `flashlm.stats`).
@@ -33,15 +36,34 @@ from flashlm.data.models import model_path
 from flashlm.eval.decode import run_in_subprocess
 
 
-def rows(budget: str, density: float, gamma: float) -> list[tuple[str, dict[str, Any]]]:
+def rows(
+    budget: str, density: float, gamma: float, hot_shares: list[float]
+) -> list[tuple[str, dict[str, Any]]]:
     dip_ca = {"memory_budget": budget, "method": "dip", "density": density, "cache_aware": gamma}
     return [
         ("dense", {"memory_budget": budget}),
         ("dip-ca (4 readers, no read-ahead)", {**dip_ca, "io_threads": 4, "read_ahead": False}),
         ("+ disk profile", {**dip_ca, "read_ahead": False}),
         ("+ read-ahead", dip_ca),
+        *((f"+ hot set {share:.0%}", {**dip_ca, "hot_share": share}) for share in hot_shares),
         ("cache split by size", {**dip_ca, "cache_split": "size"}),
     ]
+
+
+def ensure_profile(path: Path, density: float, tokens: int) -> None:
+    """Measure the store's unit profile of DIP at `density` unless it has one (the hot set's input)."""
+    from flashlm import FlashConfig, Store
+    from flashlm.cache.profile import ProfileMissingError, UnitProfile, profile_key
+    from flashlm.methods.mlp import open_checkpoint_store
+    from flashlm.workflows.profile import profile_units
+
+    config = FlashConfig(method="dip", density=density)
+    store: Store = open_checkpoint_store(path, config)
+    try:
+        UnitProfile.load(store.path, store.content_sha256, profile_key(config))
+    except ProfileMissingError:
+        print(f"profiling DIP at density {density} on {tokens} tokens ...", flush=True)
+        profile_units(path, config, num_tokens=tokens)
 
 
 def main() -> None:
@@ -51,13 +73,22 @@ def main() -> None:
     parser.add_argument("--density", type=float, default=0.6)
     parser.add_argument("--gamma", type=float, default=0.2, help="DIP-CA's γ")
     parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument(
+        "--hot-shares",
+        default="0.25,0.5",
+        help="hot_share of each hot-set row, comma-separated ('' for none)",
+    )
+    parser.add_argument("--profile-tokens", type=int, default=1024, help="tokens of a missing unit profile")
     parser.add_argument("--out", type=Path, default=Path("bench-results/levers"))
     args = parser.parse_args()
 
     path = Path(model_path(args.model))
+    hot_shares = [float(share) for share in args.hot_shares.split(",") if share.strip()]
+    if hot_shares:
+        ensure_profile(path, args.density, args.profile_tokens)
     results = []
     with tempfile.TemporaryDirectory() as offload:
-        for name, options in rows(args.memory_budget, args.density, args.gamma):
+        for name, options in rows(args.memory_budget, args.density, args.gamma, hot_shares):
             print(f"running {name} ...", flush=True)
             spec = {"name": name, "kind": "flashlm", "options": options}
             results.append(

@@ -42,6 +42,7 @@ RUNTIME_OPTIONS = (
     "io_threads",
     "io_chunk_bytes",
     "cache_split",
+    "hot_share",
     "read_ahead",
     "sequential_prefill",
     "record_trace",
@@ -129,6 +130,12 @@ class FlashConfig(QuantizationConfigMixin):
             (default) fills first the caches whose misses cost the disk most bytes per unit byte
             (small units under-fill a 4 KiB page), `"size"` shares in proportion to each cache's
             full size.
+        hot_share: share of the cache's bytes pinned to the units the method needs most often,
+            PowerInfer's hot set (its §6): read at load and never evicted, while the rest of each cache
+            follows `policy`. The placement solver (`flashlm.cache.placement`) picks them across layers
+            and kinds from the store's unit profile of the method (`flashlm profile`), by disk bytes
+            saved per token, within each cache's slots (a cache that holds every unit of its layer
+            pins nothing). 0 (default): none. Sparse methods only.
         read_ahead: read the next layer's uncached units while this layer computes (dense streaming:
             every kind; sparse methods: the first stage's, e.g. DIP's up/gate input columns, needed
             or not). `None` (default) decides: always for dense streaming and for methods whose first
@@ -162,6 +169,7 @@ class FlashConfig(QuantizationConfigMixin):
         io_threads: int | None = None,
         io_chunk_bytes: int | None = None,
         cache_split: str = "read-cost",
+        hot_share: float = 0.0,
         read_ahead: bool | None = None,
         sequential_prefill: bool = False,
         record_trace: bool = False,
@@ -193,6 +201,7 @@ class FlashConfig(QuantizationConfigMixin):
         self.io_threads = io_threads
         self.io_chunk_bytes = io_chunk_bytes
         self.cache_split = cache_split
+        self.hot_share = hot_share
         self.read_ahead = read_ahead
         self.sequential_prefill = sequential_prefill
         self.record_trace = record_trace
@@ -231,6 +240,14 @@ class FlashConfig(QuantizationConfigMixin):
         if self.cache_split not in CACHE_SPLITS:
             raise ConfigError(
                 f"Unknown cache_split {self.cache_split!r}. Available: {', '.join(CACHE_SPLITS)}."
+            )
+        share = self.hot_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise ConfigError(f"hot_share must be a number in [0, 1], got {share!r}.")
+        if share and self.method == "dense":
+            raise ConfigError(
+                "hot_share pins a sparse method's most-needed units; dense streaming needs every unit "
+                "every token, so there is no hot set to pin. Use hot_share=0 or a sparse method."
             )
         if self.read_ahead not in (None, True, False):
             raise ConfigError(f"read_ahead must be True, False or None, got {self.read_ahead!r}.")

@@ -265,6 +265,52 @@ def test_rows_are_preallocated_once() -> None:
     assert cache.rows.data_ptr() == pointer
 
 
+# ---- pinned units (the hot set) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "window", "atu"])
+@pytest.mark.parametrize("seed", range(6))
+def test_pinned_units_stay_and_the_rest_is_a_smaller_cache(policy: str, seed: int) -> None:
+    """A cache of capacity C with the units P pinned holds P always, and beside them exactly what a
+    cache of C - |P| slots holds when fed the requests without P (the policy never ranks P)."""
+    rng = random.Random(seed)
+    num_units, capacity = 24, 12
+    pinned = torch.tensor(sorted(rng.sample(range(num_units), rng.randrange(1, capacity + 1))))
+    cache = make_cache(policy, num_units, capacity)
+    cache.pin(pinned, unit_rows(torch.arange(num_units), cache))
+    check_invariants(cache)
+    assert cache.pinned == pinned.numel() and torch.equal(cache.slot_ids[: cache.pinned], pinned)
+    rest = make_cache(policy, num_units, capacity - pinned.numel())
+    pinned_set = set(pinned.tolist())
+    for step, used in enumerate(random_trace(rng, num_units, 40)):
+        hits, misses, evictions = run_step(cache, used, step)
+        others = [u for u in used if u not in pinned_set]
+        rest_hits, rest_misses, rest_evictions = run_step(rest, others, step)
+        assert (hits - (len(used) - len(others)), misses, evictions) == (
+            rest_hits,
+            rest_misses,
+            rest_evictions,
+        )
+        assert set(cache.resident_ids.tolist()) == pinned_set | set(rest.resident_ids.tolist()), (
+            f"step {step}"
+        )
+        assert torch.equal(cache.slot_ids[: cache.pinned], pinned)
+
+
+def test_pin_checks_capacity_and_clear_unpins() -> None:
+    cache = make_cache("lfu", 8, 3)
+    rows = unit_rows(torch.arange(8), cache)
+    with pytest.raises(ConfigError, match="Cannot pin 4 units in a cache of 3 slots"):
+        cache.pin(torch.tensor([0, 1, 2, 3]), rows)
+    cache.pin(torch.tensor([1, 5, 6]), rows)
+    run_step(cache, [0, 2, 3], 0)  # every slot pinned: nothing else is admitted
+    assert cache.resident_ids.tolist() == [1, 5, 6]
+    cache.clear()
+    assert (cache.size, cache.pinned) == (0, 0)
+    run_step(cache, [0, 2, 3], 1)
+    assert sorted(cache.resident_ids.tolist()) == [0, 2, 3]
+
+
 # ---- policy construction --------------------------------------------------------------------
 
 

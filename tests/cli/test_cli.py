@@ -113,3 +113,27 @@ def test_eval_ppl_and_sweep_end_to_end(make_tiny_checkpoint, tmp_path, capsys, m
     out = capsys.readouterr().out
     assert "shakespeare" in out and f"wrote {out_dir / 'sweep.csv'}" in out
     assert (out_dir / "sweep.csv").is_file() and (out_dir / "ppl_vs_density.png").is_file()
+
+
+def test_profile_writes_the_unit_profile_hot_share_reads(make_tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    from flashlm.cache.profile import UnitProfile, profile_key
+    from flashlm.config import FlashConfig
+    from flashlm.data import corpora
+    from flashlm.store import Store
+
+    head = corpora.corpus_text("shakespeare")[:20_000]
+    monkeypatch.setitem(corpora._READERS, "shakespeare", lambda: head)
+    model = str(_tiny_with_tokenizer(make_tiny_checkpoint, tmp_path))
+    store = str(tmp_path / "store")
+    argv = ["profile", "--model", model, "--method", "dip-ca", "--density", "0.5", "--store", store]
+    assert main([*argv, "--tokens", "32", "--context-length", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "profiled 32 tokens of shakespeare" in out and "unit-profile-dip-d0.5.safetensors" in out
+    opened = Store.open(store)
+    profile = UnitProfile.load(
+        opened.path, opened.content_sha256, profile_key(FlashConfig(method="dip", density=0.5))
+    )
+    assert profile.tokens == 32 and len(profile.frequencies) == 2 * opened.num_layers
+    assert all(float(f.min()) >= 0 and float(f.max()) <= 1 for f in profile.frequencies.values())
+    assert main(["profile", "--model", model, "--method", "dense", "--store", store]) == 2
+    assert "nothing to profile" in capsys.readouterr().err

@@ -537,3 +537,76 @@ def test_trace_replay_reproduces_the_live_cache(tiny_llama, tmp_path) -> None:
     assert (int(result.hits.sum()), int(result.misses.sum())) == (live["hits"], live["misses"])
     belady = replay(loaded, capacity=capacities, policy="belady")
     assert belady.misses.sum() <= result.misses.sum()
+
+
+# ---- the hot set: pinned units from a unit profile ----------------------------------------------
+
+
+def _profiled(tiny_llama, **options):
+    """The tiny llama's unit profile of DIP at density 0.5, measured and saved beside its store."""
+    from flashlm.workflows.profile import profile_model
+
+    path, _, store = tiny_llama
+    model = load(path, store, cached=2.0, method="dip", density=0.5, record_trace=True, **options)
+    ids = torch.randint(3, 128, (48,), generator=torch.Generator().manual_seed(5))
+    profile = profile_model(model, ids, corpus="random", context_length=16, progress=False)
+    profile.save(store)
+    return profile
+
+
+def test_hot_set_pins_the_most_frequent_units_and_keeps_them(tiny_llama) -> None:
+    """With hot_share, each cache pins a prefix of its units by profiled frequency, within the budget,
+    and they stay through decoding; plain DIP's selection ignores the cache, so its tokens are
+    unchanged."""
+    path, _, store = tiny_llama
+    profile = _profiled(tiny_llama)
+    assert profile.tokens == 48 and profile.key["method"] == "dip" and profile.key["density"] == 0.5
+    prompt = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(11))
+    plain = load(path, store, cached=0.4, method="dip", density=0.5)
+    model = load(path, store, cached=0.4, method="dip", density=0.5, hot_share=0.6)
+    runtime = streaming_mlps(model)[0].runtime
+    assert runtime.hot_set is not None and sum(runtime.hot_set.counts) > 0
+    pinned_before = {}
+    assert any(c.pinned > 0 and c.capacity < c.num_units for c in runtime.caches.values())
+    for (layer, kind), cache in runtime.caches.items():
+        frequency = profile.frequencies[(layer, kind)]
+        pinned = cache.slot_ids[: cache.pinned]
+        assert cache.pinned <= cache.capacity
+        if cache.pinned and cache.capacity < cache.num_units:
+            others = torch.ones(cache.num_units, dtype=torch.bool)
+            others[pinned] = False
+            assert frequency[pinned].min() >= frequency[others].max()
+        assert torch.equal(
+            cache.rows[: cache.pinned], runtime.read(layer, kind, pinned).matrix[pinned].to(cache.rows.dtype)
+        )
+        pinned_before[(layer, kind)] = pinned.clone()
+    assert runtime.resident_bytes() <= runtime.budget_bytes
+    expected = plain.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    got = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, expected)
+    for key, cache in runtime.caches.items():
+        assert torch.equal(cache.slot_ids[: cache.pinned], pinned_before[key])
+    snapshot = flashlm.stats(model)
+    assert (
+        snapshot.hot_set["units"] == sum(runtime.hot_set.counts)
+        and 0 < snapshot.hot_set["profiled_uses"] <= 1
+    )
+    assert "hot set" in str(snapshot) and not flashlm.stats(plain).hot_set
+
+
+def test_hot_set_needs_a_profile_of_the_method_and_weights(tiny_llama) -> None:
+    from flashlm.cache.profile import ProfileMissingError, UnitProfile
+
+    path, _, store = tiny_llama
+    with pytest.raises(ProfileMissingError, match=r"flashlm profile --store .* --method dip --density 0\.5"):
+        load(path, store, cached=0.4, method="dip", density=0.5, hot_share=0.5)
+    profile = _profiled(tiny_llama)
+    with pytest.raises(ProfileMissingError, match=r"--density 0\.6"):  # a profile of density 0.5 only
+        load(path, store, cached=0.4, method="dip", density=0.6, hot_share=0.5)
+    UnitProfile("0" * 64, profile.key, profile.corpus, profile.tokens, profile.frequencies).save(store)
+    with pytest.raises(ProfileMissingError, match="other MLP weights"):
+        load(path, store, cached=0.4, method="dip", density=0.5, hot_share=0.5)
+    with pytest.raises(ConfigError, match="hot_share"):
+        flashlm.FlashConfig(method="dense", hot_share=0.5)
+    with pytest.raises(ConfigError, match="hot_share"):
+        flashlm.FlashConfig(method="dip", density=0.5, hot_share=1.5)

@@ -10,6 +10,10 @@ Which units stay is the policy's call (`policies.py`); the cache applies one adm
 slots are filled first, then a candidate displaces the lowest-priority resident only while its
 priority is *strictly* greater. Equal priorities never churn, so when every unit is needed every
 step (density 1.0) a full cache stays as it is instead of thrashing.
+
+Units can be pinned (`pin`: PowerInfer's hot set, chosen offline from a unit profile). Pinned units
+occupy slots `0 .. pinned-1`; the policy never ranks them, so they are never displaced or expired,
+and the rest of the cache follows the policy in the remaining slots.
 """
 
 from __future__ import annotations
@@ -89,6 +93,8 @@ class NeuronCache(nn.Module):
             "slot_of", torch.full((num_units,), -1, dtype=INDEX_DTYPE, device=device), persistent=False
         )
         self.size = 0
+        self.pinned = 0
+        """Slots `0 .. pinned-1` hold the pinned units (`pin`), which never leave."""
         self._unit_prefix = True
         self.reset_counters()
 
@@ -184,17 +190,27 @@ class NeuronCache(nn.Module):
         rule in the module docstring.
         """
         self.policy.record(used_ids, step)
-        if self.size and self.policy.EXPIRES:
-            self._delete(self.policy.expired(self.resident_ids, step))
+        if self.size > self.pinned and self.policy.EXPIRES:
+            self._delete(self.policy.expired(self.resident_ids[self.pinned :], step))
         self._admit(miss_ids, miss_rows, None if by_unit else miss_ids if row_ids is None else row_ids)
 
     def clear(self) -> None:
-        """Empty the cache and forget the policy's history (a new sequence starts); counters stay."""
+        """Empty the cache, pinned units too, and forget the policy's history; counters stay."""
         self.slot_of.fill_(-1)
         self.slot_ids.fill_(-1)
         self.size = 0
+        self.pinned = 0
         self._unit_prefix = True
         self.policy.reset()
+
+    def pin(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Empty the cache and pin the sorted unique units `ids` (`rows[u]` is the row of unit `u`):
+        they stay resident whatever the policy says, in slots `0 .. len(ids)-1`."""
+        if ids.numel() > self.capacity:
+            raise ConfigError(f"Cannot pin {ids.numel()} units in a cache of {self.capacity} slots.")
+        self.clear()
+        self._append(ids.to(self.slot_of.device), rows, None)
+        self.pinned = ids.numel()
 
     def _admit(self, ids: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor | None) -> None:
         """Admit the non-resident units among the sorted `ids`: free slots first, then displace weaker
@@ -204,7 +220,7 @@ class NeuronCache(nn.Module):
         a full cache whose best candidate is no better than its weakest resident changes nothing (two
         reductions). Otherwise one stable sort of residents and candidates decides who stays.
         """
-        if self.capacity == 0 or ids.numel() == 0:
+        if self.capacity == self.pinned or ids.numel() == 0:
             return
         ids = ids.to(self.slot_of.device)
         fresh = ids[self.slot_of[ids] < 0]
@@ -212,16 +228,19 @@ class NeuronCache(nn.Module):
         if fresh.numel() <= free:
             self._append(fresh, rows, row_ids)
             return
-        weakest_resident = self.policy.priority(self.resident_ids).min() if free == 0 else None
+        unpinned = self.resident_ids[self.pinned :]
+        weakest_resident = self.policy.priority(unpinned).min() if free == 0 else None
         if weakest_resident is not None and self.policy.priority(fresh).max() <= weakest_resident:
             return
-        # Rank residents and candidates by priority in one stable sort. Ties keep their order in the
-        # union: residents first (a candidate must be strictly better), residents by descending id
-        # (the lowest id leaves first), then candidates by ascending id (the lowest id enters first).
-        residents = torch.nonzero(self.slot_of >= 0).squeeze(1).flip(0)
+        # Rank the unpinned residents and the candidates by priority in one stable sort. Ties keep their
+        # order in the union: residents first (a candidate must be strictly better), residents by
+        # descending id (the lowest id leaves first), then candidates by ascending id (the lowest id
+        # enters first).
+        residents = torch.nonzero(self.slot_of >= self.pinned).squeeze(1).flip(0)
         union = torch.cat([residents, fresh])
         order = torch.sort(self.policy.priority(union), descending=True, stable=True).indices
-        staying, leaving = order[: self.capacity], order[self.capacity :]
+        room = self.capacity - self.pinned
+        staying, leaving = order[:room], order[room:]
         entering = union[staying[staying >= residents.numel()]]
         evicted = union[leaving[leaving < residents.numel()]]
         if evicted.numel():
@@ -254,7 +273,8 @@ class NeuronCache(nn.Module):
         self.slot_of[ids] = slots
 
     def _delete(self, doomed: torch.Tensor) -> None:
-        """Remove the residents flagged in `doomed` (a mask over slots `0 .. size-1`) by swap-delete.
+        """Remove the residents flagged in `doomed` (a mask over the unpinned slots `pinned .. size-1`)
+        by swap-delete.
 
         Doomed slots below the new size are holes; they receive, in order, the surviving rows from
         the tail `new_size .. size-1`. Both sets have the same count, so one vectorized move keeps
@@ -264,9 +284,10 @@ class NeuronCache(nn.Module):
         if n_doomed == 0:
             return
         new_size = self.size - n_doomed
-        self.slot_of[self.resident_ids[doomed]] = -1
-        holes = torch.nonzero(doomed[:new_size]).squeeze(1)
-        movers = torch.nonzero(~doomed[new_size:]).squeeze(1) + new_size
+        kept = new_size - self.pinned  # unpinned slots left
+        self.slot_of[self.resident_ids[self.pinned :][doomed]] = -1
+        holes = torch.nonzero(doomed[:kept]).squeeze(1) + self.pinned
+        movers = torch.nonzero(~doomed[kept:]).squeeze(1) + new_size
         self.rows[holes] = self.rows[movers]
         self.slot_ids[holes] = self.slot_ids[movers]
         self.slot_of[self.slot_ids[holes]] = holes
@@ -278,5 +299,5 @@ class NeuronCache(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"num_units={self.num_units}, capacity={self.capacity}, width={self.width}, "
-            f"dtype={self.rows.dtype}, size={self.size}"
+            f"dtype={self.rows.dtype}, size={self.size}, pinned={self.pinned}"
         )

@@ -1,4 +1,5 @@
-"""`flashlm` command line: convert, info, generate, calibrate, prune, bench, simulate, eval, train."""
+"""`flashlm` command line: convert, info, generate, calibrate, profile, prune, bench, simulate, eval,
+train."""
 
 from __future__ import annotations
 
@@ -60,6 +61,12 @@ def _add_runtime_options(parser: argparse.ArgumentParser, *, method: bool = True
         help="how the cache bytes are shared between unit kinds (default read-cost: the kinds whose "
         "misses cost the disk most per byte first; size: in proportion to each kind's size)",
     )
+    parser.add_argument(
+        "--hot-share",
+        type=float,
+        default=0.0,
+        help="share of the cache pinned to the units the method needs most (its `flashlm profile`)",
+    )
 
 
 def _method_options(args: argparse.Namespace) -> dict:
@@ -78,6 +85,7 @@ def _io_options(args: argparse.Namespace) -> dict:
         "direct_io": False if args.no_direct_io else None,
         "io_threads": args.io_threads,
         "cache_split": args.cache_split,
+        "hot_share": args.hot_share,
     }
 
 
@@ -145,6 +153,33 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         for density in (0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
             rho_in, rho_down = split_from_fit(fit, density)
             print(f"  density {density:.0%}: input columns {rho_in:.1%}, down columns {rho_down:.1%}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from ..config import FlashConfig
+    from ..methods.specs import parse_method_spec
+    from ..workflows.profile import profile_units
+
+    options = {**parse_method_spec(args.method), **_method_options(args)}
+    options.pop("sequential_prefill", None)
+    config = FlashConfig(density=args.density, store=args.store, **options)
+    profile, path = profile_units(
+        _model_dir(args.model),
+        config,
+        corpus=args.corpus,
+        num_tokens=args.tokens,
+        context_length=args.context_length,
+    )
+    print(f"profiled {profile.tokens} tokens of {profile.corpus}; wrote {path}")
+    for (layer, kind), frequency in sorted(profile.frequencies.items()):
+        if layer in (0, max(key[0] for key in profile.frequencies)):
+            top = frequency.sort(descending=True).values
+            tenth = max(1, frequency.numel() // 10)
+            print(
+                f"  layer {layer} {kind}: mean use {frequency.mean():.1%}, the hottest 10% of units take "
+                f"{top[:tenth].sum() / max(float(top.sum()), 1e-12):.1%} of the uses"
+            )
     return 0
 
 
@@ -658,6 +693,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-split", dest="split", action="store_false", help="only the thresholds, not the density split"
     )
     calibrate.set_defaults(func=cmd_calibrate)
+
+    profile = sub.add_parser(
+        "profile",
+        help="count how often a sparse method needs each unit on text (the hot set's profile, --hot-share)",
+    )
+    profile.add_argument(
+        "--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct)"
+    )
+    _add_method_options(profile)
+    profile.add_argument("--corpus", default="shakespeare", help="corpus whose calibration split is decoded")
+    profile.add_argument("--tokens", type=_int_at_least(2), default=2048, help="tokens decoded")
+    profile.add_argument("--context-length", type=_int_at_least(2), default=256)
+    profile.add_argument("--store", default=None, help="store path (default: one in flashlm's cache)")
+    profile.set_defaults(func=cmd_profile)
 
     info = sub.add_parser("info", help="show what a store holds")
     info.add_argument("store")

@@ -10,6 +10,7 @@ layers.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,8 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._utils import format_bytes
 from ..cache import BudgetPlan, NeuronCache, make_policy, split_budget
+from ..cache.placement import Placement, place_hot_neurons
 from ..cache.policies import NO_CACHE
+from ..cache.profile import UnitProfile, profile_key
 from ..store import ALIGNMENT, RowFile, Store, StoreReader
 from ..store.disk import DiskProfile, disk_profile
 from ..store.format import dense_kinds
@@ -29,6 +33,8 @@ from .trace import TraceRecorder
 
 if TYPE_CHECKING:
     from ..config import FlashConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -185,14 +191,14 @@ class FlashRuntime(Runtime):
             ]
             for kind in kinds
         }
-        staging_bytes = self._staging_bytes()
         self.budget_bytes = config.budget.resolve(self.num_layers * self.layer_mlp_bytes)
         self._cache_keys = list(row_files)
+        unit_bytes = [row_files[key].width * self.slot_dtypes[key[1]].itemsize for key in self._cache_keys]
         self.plan: BudgetPlan = split_budget(
             self.budget_bytes,
-            unit_bytes=[row_files[key].width * self.slot_dtypes[key[1]].itemsize for key in self._cache_keys],
+            unit_bytes=unit_bytes,
             num_units=[row_files[key].rows for key in self._cache_keys],
-            overhead_bytes=staging_bytes,
+            overhead_bytes=self._staging_bytes(),
             policy=self._policy_name,
             cache_units=config.policy != NO_CACHE,
             read_cost=(
@@ -201,6 +207,12 @@ class FlashRuntime(Runtime):
                 else None
             ),
         )
+        self.hot_set: Placement | None = None
+        """The pinned units of every cache (`FlashConfig.hot_share`), in the order of `_cache_keys`."""
+        self.hot_set_summary: dict[str, float] = {}
+        """Units and bytes pinned, and the share of the profiled unit uses they cover (`flashlm.stats`)."""
+        if config.hot_share and not dense and config.policy != NO_CACHE:
+            self.hot_set = self._place_hot_set(row_files, unit_bytes)
         self.caches: dict[tuple[int, str], NeuronCache] = {}
         self.unit_ids = torch.arange(max(f.rows for f in row_files.values()))
         """0, 1, 2, ...: sliced for 'every unit of a layer' instead of allocating a range per step."""
@@ -232,8 +244,52 @@ class FlashRuntime(Runtime):
         self.step_start = start
         return start
 
+    def _place_hot_set(self, row_files: dict[tuple[int, str], RowFile], unit_bytes: list[int]) -> Placement:
+        """Choose the units to pin, `hot_share` of the cache bytes across every layer and kind, for the
+        most disk bytes saved per token (a unit's frequency times the bytes a miss of it reads).
+
+        A cache pins at most its planned capacity, its most frequent units; one that holds every unit
+        of its layer pins nothing (everything stays resident there anyway)."""
+        config, store = self.config, self.store
+        profile = UnitProfile.load(store.path, store.content_sha256, profile_key(config))
+        values = []
+        for key, capacity in zip(self._cache_keys, self.plan.capacities, strict=True):
+            frequency = profile.frequencies[key].double()
+            value = frequency * row_files[key].row_bytes * row_files[key].read_amplification
+            if capacity < frequency.numel():  # only the `capacity` most frequent units are candidates
+                value[frequency.argsort(descending=True, stable=True)[capacity:]] = 0
+            else:
+                value.zero_()
+            values.append(value)
+        started = perf_counter()
+        placement = place_hot_neurons(
+            values,
+            [NeuronCache.slot_bytes(b) for b in unit_bytes],
+            int(config.hot_share * self.plan.cache_bytes),
+            solver="greedy",
+        )
+        uses = sum(float(profile.frequencies[key].sum()) for key in self._cache_keys)
+        pinned_uses = sum(
+            float(profile.frequencies[key][hot].sum())
+            for key, hot in zip(self._cache_keys, placement.hot, strict=True)
+        )
+        self.hot_set_summary = {
+            "units": sum(placement.counts),
+            "bytes": placement.bytes_used,
+            "profiled_uses": pinned_uses / max(uses, 1e-12),
+        }
+        logger.info(
+            "flashlm: hot set of %d units (%s) placed in %.2f s: %.1f%% of the profiled unit uses",
+            sum(placement.counts),
+            format_bytes(placement.bytes_used),
+            perf_counter() - started,
+            100 * self.hot_set_summary["profiled_uses"],
+        )
+        return placement
+
     def make_cache(self, layer: int, kind: str) -> NeuronCache:
-        """Layer `layer`'s cache of `kind` units, with the capacity the budget plan gives it (on the CPU)."""
+        """Layer `layer`'s cache of `kind` units, with the capacity the budget plan gives it (on the CPU),
+        its hot units pinned."""
         num_units = self.store.row_file(layer, kind).rows
         policy = make_policy(self._policy_name, num_units, **self._policy_options())
         cache = NeuronCache(
@@ -245,7 +301,23 @@ class FlashRuntime(Runtime):
             device=torch.device("cpu"),
         )
         self.caches[(layer, kind)] = cache
+        self._pin_hot(layer, kind)
         return cache
+
+    def reset_caches(self, layer: int) -> None:
+        """Empty layer `layer`'s caches and pin their hot units again (read from the store)."""
+        self.drain()
+        for (cache_layer, kind), cache in self.caches.items():
+            if cache_layer == layer:
+                cache.clear()
+                self._pin_hot(layer, kind)
+
+    def _pin_hot(self, layer: int, kind: str) -> None:
+        if self.hot_set is None:
+            return
+        ids = self.hot_set.hot[self._cache_keys.index((layer, kind))]
+        if ids.numel():
+            self.caches[(layer, kind)].pin(ids, self.read(layer, kind, ids).matrix)
 
     @property
     def _policy_name(self) -> str:
@@ -396,6 +468,9 @@ class FlashRuntime(Runtime):
         self.take_guess(-1, "")
         for key in list(self._updates):
             self.settle(*key)
+
+    def _snapshot_details(self) -> dict[str, Any]:
+        return {"hot_set": self.hot_set_summary}
 
     def resident_bytes(self) -> int:
         """Bytes really allocated: caches (slots, indices, policy) and staging matrices."""

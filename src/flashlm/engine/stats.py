@@ -85,6 +85,7 @@ class StatsRecorder:
         budget_bytes: int,
         placement: tuple[str, ...] = (),
         decompression: str = "",
+        hot_set: dict[str, float] | None = None,
     ) -> FlashStats:
         table = np.array(self.rows, dtype=np.float64).reshape(-1, len(FIELDS))
         return FlashStats(
@@ -95,6 +96,7 @@ class StatsRecorder:
             events=tuple(self.events),
             placement=placement,
             decompression=decompression,
+            hot_set=hot_set or {},
         )
 
 
@@ -107,7 +109,8 @@ class FlashStats:
     `resident_bytes` is what the caches and I/O buffers really allocated; `budget_bytes` the budget
     they were sized from. Endor also gives `events` (`(phase, layer, linear, start, end)` with a
     phase of `PHASES`), each layer's `placement` ("device", "cpu" or "disk") and its `decompression`
-    path.
+    path. With a pinned hot set (`FlashConfig.hot_share`), `hot_set` gives its `units`, `bytes` and the
+    share of the profiled unit uses it covers (`profiled_uses`).
     """
 
     table: np.ndarray
@@ -117,6 +120,7 @@ class FlashStats:
     events: tuple[tuple[str, int, int, float, float], ...] = ()
     placement: tuple[str, ...] = ()
     decompression: str = ""
+    hot_set: dict[str, float] = field(default_factory=dict)
     _columns: dict[str, int] = field(default_factory=lambda: {name: i for i, name in enumerate(FIELDS)})
 
     def column(self, name: str) -> np.ndarray:
@@ -188,6 +192,7 @@ class FlashStats:
             "budget_bytes": self.budget_bytes,
             "placement": list(self.placement),
             "decompression": self.decompression,
+            "hot_set": self.hot_set,
             "totals": self.totals(),
             "decode": self.totals(decode_only=True),
             "per_step": self.per_step(),
@@ -213,6 +218,13 @@ class FlashStats:
                 f"{self.decompression} | resident {format_bytes(self.resident_bytes)} of "
                 f"{format_bytes(self.budget_bytes)} budget"
             )
+        hot = self.hot_set
+        pinned = (
+            f" | hot set {hot['units']:.0f} units ({format_bytes(hot['bytes'])}), "
+            f"{hot['profiled_uses']:.1%} of the profiled uses"
+            if hot
+            else ""
+        )
         return (
             f"{t['steps']} steps | MLP density {t['density']:.1%} | per step: "
             f"{format_bytes(t['bytes_read_per_step'])} read in "
@@ -222,7 +234,7 @@ class FlashStats:
             f"update {ms['update_s']:.1f}), I/O wait {ms['io_s']:.1f} ms (reads took {ms['io_busy_s']:.1f} "
             f"ms, overlapped), compute {ms['compute_s']:.1f} ms | "
             f"reads {self.io_mode} | resident {format_bytes(self.resident_bytes)} "
-            f"of {format_bytes(self.budget_bytes)} budget"
+            f"of {format_bytes(self.budget_bytes)} budget{pinned}"
         )
 
     def __str__(self) -> str:

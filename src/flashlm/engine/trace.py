@@ -213,6 +213,12 @@ class Trace:
         ids, offsets = self._entry(layer, kind)
         return list(torch.split(ids, torch.diff(offsets).tolist())) if self._num_steps else []
 
+    def frequencies(self, layer: int, kind: str) -> torch.Tensor:
+        """The share of steps that needed each unit of `kind` in `layer` (float32 `[num_units]`)."""
+        ids, _ = self._entry(layer, kind)
+        counts = torch.bincount(ids.long(), minlength=self._num_units[kind])
+        return counts.float() / max(self._num_steps, 1)
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Trace):
             return NotImplemented

@@ -282,6 +282,7 @@ def _flashlm_result(model, snapshot, *, step_starts: list[float]) -> dict:
         **{f"{phase}_ms": 1e3 * totals[f"{phase}_s_per_step"] for phase in ("move", "decompress")},
         "resident_bytes": snapshot.resident_bytes,
         "budget_bytes": snapshot.budget_bytes,
+        "hot_set": snapshot.hot_set,
     }
     if snapshot.placement:
         last = step_starts[-1]

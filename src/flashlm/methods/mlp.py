@@ -265,14 +265,13 @@ class FlashMLP(MethodModule):
 
     @torch.no_grad()
     def reset_state(self) -> None:
-        """Refill every buffer from its source: empty caches, a plain MLP's biases from the store.
+        """Refill every buffer from its source: empty caches (their hot units pinned), a plain MLP's biases
+        from the store.
 
         transformers' loader replaces all non-persistent buffers with uninitialized placeholders
         after weight loading; the quantizer calls this once loading is done.
         """
-        self.runtime.drain()
-        for cache in self.caches():
-            cache.clear()
+        self.runtime.reset_caches(self.layer)
         biases = [name for name in ("up_bias", "down_bias") if getattr(self, name, None) is not None]
         if biases:
             resident = self.runtime.store.resident(self.layer)

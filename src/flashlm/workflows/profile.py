@@ -1,0 +1,93 @@
+"""`flashlm profile`: measure how often a sparse method needs each unit on text, and save that unit
+profile beside the store, where `FlashConfig(hot_share=...)` places its hot set from
+(`flashlm.cache.profile`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..cache.profile import UnitProfile, profile_key
+from ..config import FlashConfig
+from ..data.corpora import corpus_tokens
+from ..data.models import model_path as resolve_model_path
+from ..errors import ConfigError
+from ..eval.perplexity import load_streaming, release
+from ..patching import runtime_of, trace
+
+RESIDENT_BUDGET = "300%"
+"""A budget that holds every unit of a sparse method's kinds, their staging buffers, and column kinds held in
+float32 (twice the store's bytes): the caches allocate only what their units take."""
+
+
+def profile_model(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    corpus: str,
+    context_length: int,
+    progress: bool = True,
+) -> UnitProfile:
+    """The unit profile of a model patched with `record_trace=True`: `input_ids` decoded one token at a
+    time, in windows of `context_length` tokens, so that the trace holds the units each token needed
+    as decoding asks for them."""
+    runtime = runtime_of(model)
+    windows = input_ids.numel() // context_length
+    if windows == 0:
+        raise ConfigError(
+            f"Profiling decodes whole windows of context_length={context_length} tokens, but only "
+            f"{input_ids.numel()} tokens were given: pass more tokens or a smaller context_length."
+        )
+    runtime.reset_stats()  # also empties the trace
+    bar = tqdm(total=windows * context_length, desc="profiling units", unit="tok", disable=not progress)
+    with torch.no_grad():
+        for window in range(windows):
+            past = None
+            for position in range(window * context_length, (window + 1) * context_length):
+                out = model(
+                    input_ids[position : position + 1].unsqueeze(0), past_key_values=past, use_cache=True
+                )
+                past = out.past_key_values
+                bar.update()
+    bar.close()
+    store = runtime.store
+    return UnitProfile.from_trace(
+        trace(model), content_sha256=store.content_sha256, key=profile_key(runtime.config), corpus=corpus
+    )
+
+
+def profile_units(
+    model_path: str | os.PathLike | None,
+    config: FlashConfig,
+    *,
+    corpus: str = "shakespeare",
+    num_tokens: int = 2048,
+    context_length: int = 256,
+    progress: bool = True,
+) -> tuple[UnitProfile, Path]:
+    """Profile the sparse method of `config` (its `profile_key`: method, density, input split) on the
+    calibration split of `corpus`, and save the profile beside the model's store (`config.store`, or the
+    default one); returns it and its path.
+
+    The model decodes with a budget that holds every unit, so nothing is read after the first token and
+    a cache-aware selection sees every unit resident (it is then the plain method's)."""
+    from transformers import AutoTokenizer
+
+    key = profile_key(config)
+    if key["method"] == "dense" or key["density"] == 1:
+        raise ConfigError(
+            "Dense streaming (or density 1.0) needs every unit every token: there is nothing to profile. "
+            "Give a sparse method and a density below 1."
+        )
+    path = resolve_model_path(None if model_path is None else str(model_path))
+    ids = corpus_tokens(corpus, AutoTokenizer.from_pretrained(path), split="calibration")[:num_tokens]
+    profiled = FlashConfig(**key, store=config.store, memory_budget=RESIDENT_BUDGET, record_trace=True)
+    model = load_streaming(path, profiled)
+    try:
+        profile = profile_model(model, ids, corpus=corpus, context_length=context_length, progress=progress)
+        return profile, profile.save(runtime_of(model).store.path)
+    finally:
+        release(model)
