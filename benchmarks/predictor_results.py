@@ -15,7 +15,10 @@ One command, four parts, written to `<out>/report.md` (and `results.json`):
    share of all neurons (LLM in a flash §3.1: 10% -> 2.4% at k = 5 on OPT 6.7B).
 4. **Decode** at `--memory-budget` (default 50% of the MLP bytes), each row in its own process, the
    relufied model loaded with its thresholds and patched: dense streaming, DIP-CA, the predictor,
-   the predictor with a window; tokens/s, MB and requests per token, hit rate.
+   the predictor with a window, and the predictor with PowerInfer's hot set pinned (`hot_share` of
+   `--hot-shares`, placed from the store's unit profile of the predictor, measured after training:
+   `flashlm profile`); tokens/s, MB and requests per token, hit rate, and the share of the profiled
+   neuron uses the hot set covers.
 
     python benchmarks/predictor_results.py --relufied bench-results/relufy/smollm2-fatrelu/model \\
         --out bench-results/predictors
@@ -66,6 +69,12 @@ def predictor_table(reports) -> list[str]:
     return lines
 
 
+def hot_set_cell(hot: dict[str, float] | None) -> str:
+    if not hot:
+        return "—"
+    return f"{hot['units']:.0f}, {hot['bytes'] / 1e6:.1f}, {hot['profiled_uses']:.1%}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--relufied", type=Path, help="checkpoint written by flashlm train relufy")
@@ -76,6 +85,8 @@ def main() -> None:
     parser.add_argument("--corpora", default="shakespeare,jargon")
     parser.add_argument("--ppl-tokens", type=int, default=1024)
     parser.add_argument("--windows", default="1,2,5,8")
+    parser.add_argument("--hot-shares", default="0.25,0.5,1.0", help="hot_share of each hot-set row")
+    parser.add_argument("--profile-tokens", type=int, default=1024, help="tokens of the unit profile")
     parser.add_argument("--memory-budget", default="50%")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("bench-results/predictors"))
@@ -86,12 +97,14 @@ def main() -> None:
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
+    from flashlm import FlashConfig
     from flashlm.data.corpora import corpus_tokens
     from flashlm.data.models import model_path
     from flashlm.eval.perplexity import perplexity
     from flashlm.predictors import LabelRule, TrainOptions
     from flashlm.training.checkpoints import load_checkpoint
     from flashlm.workflows.predictors import train_store_predictors
+    from flashlm.workflows.profile import load_or_profile
 
     args.out.mkdir(parents=True, exist_ok=True)
     swiglu = Path(model_path(args.swiglu))
@@ -163,6 +176,12 @@ def main() -> None:
     specs = {name: {**budget, **options} for name, options in DECODE_ROWS.items()}
     for k in (int(k) for k in args.windows.split(",")):
         specs[f"predictor-window:{k}"] = {**budget, **DECODE_ROWS["predictor-window:5"], "window": k}
+    hot_shares = [float(share) for share in args.hot_shares.split(",") if share.strip()]
+    if hot_shares:
+        predictor = {**budget, **DECODE_ROWS["predictor"]}
+        load_or_profile(args.relufied, FlashConfig(**predictor), num_tokens=args.profile_tokens)
+        for share in hot_shares:
+            specs[f"predictor + hot set {share:.0%}"] = {**predictor, "hot_share": share}
     with tempfile.TemporaryDirectory() as offload:  # `flashlm.eval.decode`, as `flashlm bench` runs rows
         decoded = {
             name: run_in_subprocess(
@@ -182,8 +201,8 @@ def main() -> None:
         f"{args.new_tokens} tokens",
         "",
         "| configuration | tok/s | x dense | MB read/token | requests/token | new neurons/token "
-        "| MLP density | hit rate |",
-        "|---|---|---|---|---|---|---|---|",
+        "| MLP density | hit rate | hot set: units, MB, profiled uses covered |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in decoded.items():
         new = (
@@ -193,7 +212,7 @@ def main() -> None:
             f"| {name} | {r['decode_tok_s']:.2f} | {r['decode_tok_s'] / dense:.2f} "
             f"| {r['reader_bytes_per_token'] / 1e6:.1f} | {r['reads_per_token']:.0f} | {new} "
             f"| {r['mlp_density']:.1%} "
-            f"| {r['hit_rate']:.1%} |"
+            f"| {r['hit_rate']:.1%} | {hot_set_cell(r.get('hot_set'))} |"
         )
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (args.out / "report.md").write_text("\n".join(report) + "\n")

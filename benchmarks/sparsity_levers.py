@@ -14,12 +14,18 @@ The rows, cumulative:
   columns the next layer would select for this layer's input: Qwen2.5-1.5B).
 - `+ hot set S`: `hot_share=S` of the cache pinned to the units DIP needs most often, PowerInfer's hot
   set, placed from the store's unit profile of DIP at `--density` (`flashlm profile`; measured first
-  when the store has none, on `--profile-tokens` of the Shakespeare calibration split).
+  when the store has none, on `--profile-tokens` of the Shakespeare calibration split:
+  `flashlm.workflows.profile.load_or_profile`).
 - `cache split by size`: the `+ read-ahead` row with the budget shared in proportion to each kind's
   size instead of by read cost (a lever that loses on a disk whose small reads are expensive).
 
 Per row: decode tokens/s and its ratio to `dense`, MB read and requests per token, hit rate, and the
 split of a token's time (selection / cache bookkeeping / I/O wait / compute, from `flashlm.stats`).
+
+Below the rows, the bound the unit profile sets (with hot-set rows): the MB per token DIP needs of
+each kind, and what the best static cache of this budget's capacities (each cache holding its most
+needed units) would still read: what no placement of units can go below without exploiting which
+units follow which.
 
     python benchmarks/sparsity_levers.py --model qwen2.5-1.5b --out bench-results/levers
 """
@@ -32,8 +38,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from flashlm import FlashConfig
+from flashlm.cache.profile import UnitProfile
 from flashlm.data.models import model_path
 from flashlm.eval.decode import run_in_subprocess
+from flashlm.methods.mlp import open_checkpoint_store
+from flashlm.methods.sparse import DIPMLP
+from flashlm.workflows.profile import load_or_profile
 
 
 def rows(
@@ -50,20 +61,34 @@ def rows(
     ]
 
 
-def ensure_profile(path: Path, density: float, tokens: int) -> None:
-    """Measure the store's unit profile of DIP at `density` unless it has one (the hot set's input)."""
-    from flashlm import FlashConfig, Store
-    from flashlm.cache.profile import ProfileMissingError, UnitProfile, profile_key
-    from flashlm.methods.mlp import open_checkpoint_store
-    from flashlm.workflows.profile import profile_units
-
-    config = FlashConfig(method="dip", density=density)
-    store: Store = open_checkpoint_store(path, config)
-    try:
-        UnitProfile.load(store.path, store.content_sha256, profile_key(config))
-    except ProfileMissingError:
-        print(f"profiling DIP at density {density} on {tokens} tokens ...", flush=True)
-        profile_units(path, config, num_tokens=tokens)
+def static_bound(path: Path, profile: UnitProfile, budget: str, density: float) -> list[str]:
+    """Lines on what the profile allows: MB per token needed per kind, and what remains to read with
+    each cache holding its most needed units (the capacities DIP-CA's runtime plans for `budget`)."""
+    config = FlashConfig(method="dip", density=density, memory_budget=budget)
+    store = open_checkpoint_store(path, config)
+    runtime = DIPMLP.make_runtime(store, config, DIPMLP.load_fitted(store))
+    capacities = runtime.capacities
+    runtime.close()
+    lines = [
+        "",
+        f"Unit profile of DIP at density {density} ({profile.tokens} tokens of {profile.corpus}):",
+        "",
+    ]
+    for kind in DIPMLP.KINDS:
+        needed = left = 0.0
+        for layer in range(store.num_layers):
+            frequency = profile.frequencies[(layer, kind)].double()
+            row_bytes = store.row_file(layer, kind).row_bytes
+            needed += float(frequency.sum()) * row_bytes
+            left += (
+                float(frequency.sort(descending=True).values[capacities[(layer, kind)] :].sum()) * row_bytes
+            )
+        lines.append(
+            f"- {kind}: {needed / 1e6:.0f} MB/token needed; {capacities[(0, kind)]} of "
+            f"{store.row_file(0, kind).rows} units cached per layer; the best static cache of them leaves "
+            f"{left / 1e6:.0f} MB/token to read"
+        )
+    return lines
 
 
 def main() -> None:
@@ -84,8 +109,8 @@ def main() -> None:
 
     path = Path(model_path(args.model))
     hot_shares = [float(share) for share in args.hot_shares.split(",") if share.strip()]
-    if hot_shares:
-        ensure_profile(path, args.density, args.profile_tokens)
+    profiled = FlashConfig(method="dip", density=args.density)
+    profile = load_or_profile(path, profiled, num_tokens=args.profile_tokens) if hot_shares else None
     results = []
     with tempfile.TemporaryDirectory() as offload:
         for name, options in rows(args.memory_budget, args.density, args.gamma, hot_shares):
@@ -109,6 +134,8 @@ def main() -> None:
             f"| {r['reader_bytes_per_token'] / 1e6:.0f} | {r['reads_per_token']:.0f} | {r['hit_rate']:.1%} "
             f"| {r['select_ms']:.1f} / {r['cache_ms']:.1f} / {r['io_ms']:.1f} / {r['compute_ms']:.1f} |"
         )
+    if profile is not None:
+        lines += static_bound(path, profile, args.memory_budget, args.density)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"levers-{path.name}"
     stem.with_suffix(".json").write_text(

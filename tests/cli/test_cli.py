@@ -116,7 +116,7 @@ def test_eval_ppl_and_sweep_end_to_end(make_tiny_checkpoint, tmp_path, capsys, m
 
 
 def test_profile_writes_the_unit_profile_hot_share_reads(make_tiny_checkpoint, tmp_path, capsys, monkeypatch):
-    from flashlm.cache.profile import UnitProfile, profile_key
+    from flashlm.cache.profile import UnitProfile, fitted_digests, profile_key
     from flashlm.config import FlashConfig
     from flashlm.data import corpora
     from flashlm.store import Store
@@ -130,8 +130,9 @@ def test_profile_writes_the_unit_profile_hot_share_reads(make_tiny_checkpoint, t
     out = capsys.readouterr().out
     assert "profiled 32 tokens of shakespeare" in out and "unit-profile-dip-d0.5.safetensors" in out
     opened = Store.open(store)
+    key = profile_key(FlashConfig(method="dip", density=0.5))
     profile = UnitProfile.load(
-        opened.path, opened.content_sha256, profile_key(FlashConfig(method="dip", density=0.5))
+        opened.path, opened.content_sha256, key, fitted_digests(opened.path, ("calibration.json",))
     )
     assert profile.tokens == 32 and len(profile.frequencies) == 2 * opened.num_layers
     assert all(float(f.min()) >= 0 and float(f.max()) <= 1 for f in profile.frequencies.values())

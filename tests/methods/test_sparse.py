@@ -603,8 +603,16 @@ def test_hot_set_needs_a_profile_of_the_method_and_weights(tiny_llama) -> None:
     profile = _profiled(tiny_llama)
     with pytest.raises(ProfileMissingError, match=r"--density 0\.6"):  # a profile of density 0.5 only
         load(path, store, cached=0.4, method="dip", density=0.6, hot_share=0.5)
-    UnitProfile("0" * 64, profile.key, profile.corpus, profile.tokens, profile.frequencies).save(store)
+    stale = UnitProfile(
+        "0" * 64, profile.key, profile.fitted, profile.corpus, profile.tokens, profile.frequencies
+    )
+    stale.save(store)
     with pytest.raises(ProfileMissingError, match="other MLP weights"):
+        load(path, store, cached=0.4, method="dip", density=0.5, hot_share=0.5)
+    profile.save(store)
+    calibration = Path(store) / "calibration.json"
+    calibration.write_text(calibration.read_text().replace('"corpus"', '"corpus" ', 1))  # recalibrated
+    with pytest.raises(ProfileMissingError, match=r"before calibration\.json changed"):
         load(path, store, cached=0.4, method="dip", density=0.5, hot_share=0.5)
     with pytest.raises(ConfigError, match="hot_share"):
         flashlm.FlashConfig(method="dense", hot_share=0.5)

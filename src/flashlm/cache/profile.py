@@ -4,8 +4,9 @@ saved beside the store (PowerInfer §6.1's activation profile, for any method's 
 A sparse method's hot set (`FlashConfig(hot_share=...)`) is placed from it: the units a method
 needs most often, weighted by what a miss of one costs to read, are pinned in the caches
 (`flashlm.cache.placement`, `NeuronCache.pin`). The frequencies depend on the method's selection,
-so a profile belongs to one store (its content hash) and one method configuration (`profile_key`);
-`flashlm profile` measures it (`flashlm.workflows.profile`).
+so a profile belongs to one store (its content hash), one method configuration (`profile_key`) and
+what the method fitted beside the store that decides its selection (DIP's calibrated split, the
+predictors: `fitted_digests`); `flashlm profile` measures it (`flashlm.workflows.profile`).
 
 DIP-CA's selections are DIP's, bent towards what happens to be resident: its profile is DIP's at the
 same density and split (`cache_aware` is not part of the key).
@@ -13,6 +14,7 @@ same density and split (`cache_aware` is not part of the key).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -44,6 +46,15 @@ def profile_key(config: FlashConfig) -> dict[str, Any]:
     return {name: getattr(config, name) for name in KEY_OPTIONS}
 
 
+def fitted_digests(store_path: str | Path, files: tuple[str, ...]) -> dict[str, str]:
+    """The sha256 of each of `files` beside the store ("" for one that is missing)."""
+    digests = {}
+    for name in files:
+        path = Path(store_path) / name
+        digests[name] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
+    return digests
+
+
 def _file_name(key: dict[str, Any]) -> str:
     parts = [key["method"], f"d{key['density']:g}"]
     if key.get("input_density") is not None:
@@ -55,21 +66,23 @@ def _file_name(key: dict[str, Any]) -> str:
 
 @dataclass
 class UnitProfile:
-    """Per (layer, kind), the share of tokens that needed each unit (float32 in [0, 1])."""
+    """Per (layer, kind), the share of tokens that needed each unit (float32 in [0, 1]); `fitted` holds
+    the `fitted_digests` of the files the selection depended on."""
 
     content_sha256: str
     key: dict[str, Any]
+    fitted: dict[str, str]
     corpus: str
     tokens: int
     frequencies: dict[tuple[int, str], torch.Tensor]
 
     @classmethod
     def from_trace(
-        cls, trace: Trace, *, content_sha256: str, key: dict[str, Any], corpus: str
+        cls, trace: Trace, *, content_sha256: str, key: dict[str, Any], fitted: dict[str, str], corpus: str
     ) -> UnitProfile:
         """The frequencies of a trace recorded token by token (every step one token)."""
         frequencies = {(layer, kind): trace.frequencies(layer, kind) for layer, kind in trace.layer_kinds()}
-        return cls(content_sha256, dict(key), corpus, trace.num_steps, frequencies)
+        return cls(content_sha256, dict(key), dict(fitted), corpus, trace.num_steps, frequencies)
 
     @staticmethod
     def path(store_path: str | Path, key: dict[str, Any]) -> Path:
@@ -83,6 +96,7 @@ class UnitProfile:
             "flashlm_version": __version__,
             "content_sha256": self.content_sha256,
             "key": json.dumps(self.key, sort_keys=True),
+            "fitted": json.dumps(self.fitted, sort_keys=True),
             "corpus": self.corpus,
             "tokens": str(self.tokens),
         }
@@ -93,10 +107,13 @@ class UnitProfile:
         return path
 
     @classmethod
-    def load(cls, store_path: str | Path, content_sha256: str, key: dict[str, Any]) -> UnitProfile:
+    def load(
+        cls, store_path: str | Path, content_sha256: str, key: dict[str, Any], fitted: dict[str, str]
+    ) -> UnitProfile:
         """The profile of method configuration `key` saved beside the store whose content hash is
-        `content_sha256`; `ProfileMissingError` (naming the command that makes one) if there is none or
-        it was measured on other weights, `ConfigError` if the file is damaged."""
+        `content_sha256`, measured with the fitted files `fitted` (`fitted_digests`) as they are now;
+        `ProfileMissingError` (naming the command that makes one) if there is none, or it was measured on
+        other weights or under other fitted files, `ConfigError` if the file is damaged."""
         path = cls.path(store_path, key)
         command = (
             f"flashlm profile --store {store_path} --method {key['method']} --density {key['density']:g}"
@@ -123,9 +140,21 @@ class UnitProfile:
                 f"The unit profile {path} was measured on other MLP weights than the store's: measure it "
                 f"again with `{command}`."
             )
+        measured_with = json.loads(metadata.get("fitted", "{}"))
+        if measured_with != fitted:
+            changed = sorted(
+                name
+                for name in fitted.keys() | measured_with.keys()
+                if fitted.get(name) != measured_with.get(name)
+            )
+            raise ProfileMissingError(
+                f"The unit profile {path} was measured before {', '.join(changed)} changed (the method's "
+                f"selection depends on it): measure it again with `{command}`."
+            )
         return cls(
             content_sha256,
             json.loads(metadata["key"]),
+            measured_with,
             metadata.get("corpus", ""),
             int(metadata.get("tokens", 0)),
             frequencies,

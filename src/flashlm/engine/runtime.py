@@ -23,7 +23,7 @@ from .._utils import format_bytes
 from ..cache import BudgetPlan, NeuronCache, make_policy, split_budget
 from ..cache.placement import Placement, place_hot_neurons
 from ..cache.policies import NO_CACHE
-from ..cache.profile import UnitProfile, profile_key
+from ..cache.profile import UnitProfile, fitted_digests, profile_key
 from ..store import ALIGNMENT, RowFile, Store, StoreReader
 from ..store.disk import DiskProfile, disk_profile
 from ..store.format import dense_kinds
@@ -146,6 +146,8 @@ class FlashRuntime(Runtime):
 
     `kinds` are the unit kinds the model's method reads (default: dense streaming's, `dense_kinds`,
     both read ahead; a sparse method names one per stage). Each (layer, kind) gets a cache.
+    `fitted_files` are the files beside the store the method's selection depends on (its calibration,
+    its predictors): a hot set's unit profile must have been measured with them as they are.
 
     The budget covers everything flashlm allocates for streaming: the staging buffers (two per kind,
     one layer's units each, so the next layer's reads land while this layer computes: dense streaming
@@ -167,6 +169,7 @@ class FlashRuntime(Runtime):
         kinds: tuple[str, ...] | None = None,
         read_ahead: tuple[str, ...] | None = None,
         slot_dtypes: dict[str, torch.dtype] | None = None,
+        fitted_files: tuple[str, ...] = (),
     ) -> None:
         dense = kinds is None
         kinds = dense_kinds(store.gated) if dense else kinds
@@ -212,7 +215,7 @@ class FlashRuntime(Runtime):
         self.hot_set_summary: dict[str, float] = {}
         """Units and bytes pinned, and the share of the profiled unit uses they cover (`flashlm.stats`)."""
         if config.hot_share and not dense and config.policy != NO_CACHE:
-            self.hot_set = self._place_hot_set(row_files, unit_bytes)
+            self.hot_set = self._place_hot_set(row_files, unit_bytes, fitted_files)
         self.caches: dict[tuple[int, str], NeuronCache] = {}
         self.unit_ids = torch.arange(max(f.rows for f in row_files.values()))
         """0, 1, 2, ...: sliced for 'every unit of a layer' instead of allocating a range per step."""
@@ -244,16 +247,25 @@ class FlashRuntime(Runtime):
         self.step_start = start
         return start
 
-    def _place_hot_set(self, row_files: dict[tuple[int, str], RowFile], unit_bytes: list[int]) -> Placement:
+    @property
+    def capacities(self) -> dict[tuple[int, str], int]:
+        """The slots the budget plan gives each (layer, kind) cache."""
+        return dict(zip(self._cache_keys, self.plan.capacities, strict=True))
+
+    def _place_hot_set(
+        self, row_files: dict[tuple[int, str], RowFile], unit_bytes: list[int], fitted_files: tuple[str, ...]
+    ) -> Placement:
         """Choose the units to pin, `hot_share` of the cache bytes across every layer and kind, for the
         most disk bytes saved per token (a unit's frequency times the bytes a miss of it reads).
 
         A cache pins at most its planned capacity, its most frequent units; one that holds every unit
         of its layer pins nothing (everything stays resident there anyway)."""
         config, store = self.config, self.store
-        profile = UnitProfile.load(store.path, store.content_sha256, profile_key(config))
+        profile = UnitProfile.load(
+            store.path, store.content_sha256, profile_key(config), fitted_digests(store.path, fitted_files)
+        )
         values = []
-        for key, capacity in zip(self._cache_keys, self.plan.capacities, strict=True):
+        for key, capacity in self.capacities.items():
             frequency = profile.frequencies[key].double()
             value = frequency * row_files[key].row_bytes * row_files[key].read_amplification
             if capacity < frequency.numel():  # only the `capacity` most frequent units are candidates

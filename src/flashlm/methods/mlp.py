@@ -197,6 +197,8 @@ class FlashMLP(MethodModule):
     """
 
     KINDS: ClassVar[tuple[str, ...]]
+    FITTED_FILES: ClassVar[tuple[str, ...]] = ()
+    """Files beside the store that decide which units the method selects (what `load_fitted` reads)."""
     replacer = MLPReplacer()
 
     @classmethod

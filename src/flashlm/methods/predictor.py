@@ -56,6 +56,7 @@ class PredictorMLP(PredictorSelection, FlashMLP):
     """
 
     KINDS = (BUNDLE,)
+    FITTED_FILES = (PREDICTORS_FILE,)
 
     def __init__(
         self,
@@ -90,7 +91,7 @@ class PredictorMLP(PredictorSelection, FlashMLP):
 
     @classmethod
     def make_runtime(cls, store: Store, config: FlashConfig, fitted: Any) -> FlashRuntime:
-        return FlashRuntime(store, config, cls.KINDS, read_ahead=())
+        return FlashRuntime(store, config, cls.KINDS, read_ahead=(), fitted_files=cls.FITTED_FILES)
 
     @classmethod
     def build(

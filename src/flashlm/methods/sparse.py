@@ -52,7 +52,7 @@ from ..ops import ColumnProduct
 from ..ops.columns import slot_dtype
 from ..store.reader import DEFAULT_MERGE_GAP_BYTES
 from .base import method_class, register_method
-from .calibration import Calibration
+from .calibration import CALIBRATION_FILE, Calibration
 from .masking import union_ids
 from .mlp import FlashMLP
 from .selection import CATSSelection, DIPSelection, GLUSelection, Selection, dip_split, selection_options
@@ -152,6 +152,7 @@ class SparseMLP(Selection, FlashMLP):
     INPUT_KIND: str
     OUTPUT_KIND: str
 
+    FITTED_FILES = (CALIBRATION_FILE,)
     COLUMN_KINDS: tuple[str, ...] = ()
     """Kinds whose every row is a column unit (a cache of them may hold fp32 rows, `slot_dtypes`)."""
 
@@ -174,7 +175,7 @@ class SparseMLP(Selection, FlashMLP):
     @classmethod
     def make_runtime(cls, store: Store, config: FlashConfig, fitted: Calibration | None) -> FlashRuntime:
         read_ahead = (cls.INPUT_KIND,) if reads_ahead(config, store, fitted) else ()
-        return FlashRuntime(store, config, cls.KINDS, read_ahead, cls.slot_dtypes(store))
+        return FlashRuntime(store, config, cls.KINDS, read_ahead, cls.slot_dtypes(store), cls.FITTED_FILES)
 
     @classmethod
     def build(

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from ..cache.profile import UnitProfile, profile_key
+from ..cache.profile import ProfileMissingError, UnitProfile, fitted_digests, profile_key
 from ..config import FlashConfig
 from ..data.corpora import corpus_tokens
 from ..data.models import model_path as resolve_model_path
 from ..errors import ConfigError
 from ..eval.perplexity import load_streaming, release
+from ..methods.base import method_class
+from ..methods.mlp import open_checkpoint_store
 from ..patching import runtime_of, trace
 
 RESIDENT_BUDGET = "300%"
@@ -53,9 +56,13 @@ def profile_model(
                 past = out.past_key_values
                 bar.update()
     bar.close()
-    store = runtime.store
+    store, config = runtime.store, runtime.config
     return UnitProfile.from_trace(
-        trace(model), content_sha256=store.content_sha256, key=profile_key(runtime.config), corpus=corpus
+        trace(model),
+        content_sha256=store.content_sha256,
+        key=profile_key(config),
+        fitted=fitted_digests(store.path, method_class(config.method).FITTED_FILES),
+        corpus=corpus,
     )
 
 
@@ -91,3 +98,17 @@ def profile_units(
         return profile, profile.save(runtime_of(model).store.path)
     finally:
         release(model)
+
+
+def load_or_profile(
+    model_path: str | os.PathLike | None, config: FlashConfig, *, progress: bool = True, **options: Any
+) -> UnitProfile:
+    """The unit profile of `config`'s method saved beside the model's store, measured first
+    (`profile_units(model_path, config, **options)`) when there is none or it is stale."""
+    path = resolve_model_path(None if model_path is None else str(model_path))
+    store = open_checkpoint_store(path, config, progress=progress)
+    fitted = fitted_digests(store.path, method_class(config.method).FITTED_FILES)
+    try:
+        return UnitProfile.load(store.path, store.content_sha256, profile_key(config), fitted)
+    except ProfileMissingError:
+        return profile_units(path, config, progress=progress, **options)[0]
