@@ -15,6 +15,7 @@ from ..cache.profile import ProfileMissingError, UnitProfile, fitted_digests, pr
 from ..config import FlashConfig
 from ..data.corpora import corpus_tokens
 from ..data.models import model_path as resolve_model_path
+from ..engine.trace import Trace
 from ..errors import ConfigError
 from ..eval.perplexity import load_streaming, release
 from ..methods.base import method_class
@@ -26,17 +27,11 @@ RESIDENT_BUDGET = "300%"
 float32 (twice the store's bytes): the caches allocate only what their units take."""
 
 
-def profile_model(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    *,
-    corpus: str,
-    context_length: int,
-    progress: bool = True,
-) -> UnitProfile:
-    """The unit profile of a model patched with `record_trace=True`: `input_ids` decoded one token at a
-    time, in windows of `context_length` tokens, so that the trace holds the units each token needed
-    as decoding asks for them."""
+def decode_trace(
+    model: torch.nn.Module, input_ids: torch.Tensor, *, context_length: int, progress: bool = True
+) -> Trace:
+    """The trace of a model patched with `record_trace=True` decoding `input_ids` one token at a time, in
+    windows of `context_length` tokens: each step holds the units one token needed, as decoding asks."""
     runtime = runtime_of(model)
     windows = input_ids.numel() // context_length
     if windows == 0:
@@ -45,7 +40,7 @@ def profile_model(
             f"{input_ids.numel()} tokens were given: pass more tokens or a smaller context_length."
         )
     runtime.reset_stats()  # also empties the trace
-    bar = tqdm(total=windows * context_length, desc="profiling units", unit="tok", disable=not progress)
+    bar = tqdm(total=windows * context_length, desc="decoding units", unit="tok", disable=not progress)
     with torch.no_grad():
         for window in range(windows):
             past = None
@@ -56,9 +51,23 @@ def profile_model(
                 past = out.past_key_values
                 bar.update()
     bar.close()
+    return trace(model)
+
+
+def profile_model(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    corpus: str,
+    context_length: int,
+    progress: bool = True,
+) -> UnitProfile:
+    """The unit profile of a model patched with `record_trace=True`, from its `decode_trace`."""
+    runtime = runtime_of(model)
+    recorded = decode_trace(model, input_ids, context_length=context_length, progress=progress)
     store, config = runtime.store, runtime.config
     return UnitProfile.from_trace(
-        trace(model),
+        recorded,
         content_sha256=store.content_sha256,
         key=profile_key(config),
         fitted=fitted_digests(store.path, method_class(config.method).FITTED_FILES),
