@@ -274,6 +274,9 @@ class FlashRuntime(Runtime):
                 value.zero_()
             values.append(value)
         started = perf_counter()
+        # No per-layer minimum here (PowerInfer's C_l prices a GPU synchronization flashlm does not
+        # have): the greedy knapsack is then within one unit of the ILP's optimum, in well under a
+        # second where the ILP over a 1.5B model's 300k units would take its time limit at every load.
         placement = place_hot_neurons(
             values,
             [NeuronCache.slot_bytes(b) for b in unit_bytes],
