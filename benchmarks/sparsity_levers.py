@@ -38,6 +38,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from flashlm import FlashConfig
 from flashlm.cache.profile import UnitProfile
 from flashlm.data.models import model_path
@@ -61,9 +63,13 @@ def rows(
     ]
 
 
-def static_bound(path: Path, profile: UnitProfile, budget: str, density: float) -> list[str]:
-    """Lines on what the profile allows: MB per token needed per kind, and what remains to read with
-    each cache holding its most needed units (the capacities DIP-CA's runtime plans for `budget`)."""
+def static_bound(
+    path: Path, profile: UnitProfile, budget: str, density: float, dense_bytes: float
+) -> list[str]:
+    """Lines on what the profile allows: MB per token needed per kind, what remains to read with each
+    cache holding its most needed units (the capacities DIP-CA's runtime plans for `budget`), and the
+    cache a best static placement would need to read at most half of dense streaming's `dense_bytes`
+    per token (2x dense streaming's speed, were both bound by the disk)."""
     config = FlashConfig(method="dip", density=density, memory_budget=budget)
     store = open_checkpoint_store(path, config)
     runtime = DIPMLP.make_runtime(store, config, DIPMLP.load_fitted(store))
@@ -88,6 +94,24 @@ def static_bound(path: Path, profile: UnitProfile, budget: str, density: float) 
             f"{store.row_file(0, kind).rows} units cached per layer; the best static cache of them leaves "
             f"{left / 1e6:.0f} MB/token to read"
         )
+    # Every unit of the model, most needed bytes per cached byte first (units of one kind have one size).
+    uses = torch.cat([f.double() for f in profile.frequencies.values()])
+    sizes = torch.cat(
+        [
+            torch.full_like(f.double(), store.row_file(layer, kind).row_bytes)
+            for (layer, kind), f in profile.frequencies.items()
+        ]
+    )
+    order = torch.argsort(uses, descending=True, stable=True)
+    still_read = float((uses * sizes).sum()) - torch.cumsum((uses * sizes)[order], 0)
+    enough = int(torch.searchsorted(-still_read, torch.tensor(-dense_bytes / 2))) + 1  # units to cache
+    cache = float(sizes[order][:enough].sum())
+    held = sum(slots * store.row_file(*key).row_bytes for key, slots in capacities.items())
+    lines.append(
+        f"- reading at most half of dense streaming's {dense_bytes / 1e6:.0f} MB/token would take a static "
+        f"cache of {cache / 1e9:.2f} GB, {cache / float(sizes.sum()):.0%} of the MLP's bytes (this budget's "
+        f"caches hold {held / 1e9:.2f} GB; rows in the store's dtype)"
+    )
     return lines
 
 
@@ -135,7 +159,9 @@ def main() -> None:
             f"| {r['select_ms']:.1f} / {r['cache_ms']:.1f} / {r['io_ms']:.1f} / {r['compute_ms']:.1f} |"
         )
     if profile is not None:
-        lines += static_bound(path, profile, args.memory_budget, args.density)
+        lines += static_bound(
+            path, profile, args.memory_budget, args.density, results[0]["reader_bytes_per_token"]
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"levers-{path.name}"
     stem.with_suffix(".json").write_text(

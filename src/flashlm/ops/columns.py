@@ -158,11 +158,17 @@ class ColumnProduct:
         return _measure(dtype, width, torch.get_num_threads(), round(min(max(density, 0.05), 1.0) * 20) / 20)
 
 
+FP32_SLOT_MARGIN = 1.25
+"""How much faster float32 rows must multiply for a cache to hold them (`slot_dtype`)."""
+
+
 def slot_dtype(dtype: torch.dtype, width: int) -> torch.dtype:
     """The dtype a cache of column units of `width` should hold its rows in: the store's `dtype`, or
     float32 when rows converted once (on admission) multiply faster here than rows converted as they
     are read — which a CPU without bf16 arithmetic might do, though a one-token product reads every
-    byte once and fp32 rows are twice the bytes. Timed once per (dtype, width) on one token's product."""
+    byte once and fp32 rows are twice the bytes. Timed once per (dtype, width) on one token's product;
+    float32 must win by `FP32_SLOT_MARGIN`, since it halves the units the same budget caches (a median
+    of 7 short runs on a busy machine flips either way)."""
     return _slot_dtype(dtype, width, torch.get_num_threads())
 
 
@@ -178,7 +184,7 @@ def _slot_dtype(dtype: torch.dtype, width: int, threads: int) -> torch.dtype:
     name = "native" if _native_functions() is not None else "torch"
     stored = _time(functools.partial(_run, name, out, coef, rows.to(dtype)), cold=rows.to(dtype))
     converted = _time(functools.partial(_run, name, out, coef, rows), cold=rows)
-    return torch.float32 if converted < stored else dtype
+    return torch.float32 if converted * FP32_SLOT_MARGIN < stored else dtype
 
 
 def _run(name: str, out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
