@@ -9,10 +9,10 @@ are requested.
 
 1. DIP at `--density` decodes the calibration split (`--calibration-tokens`) and, separately, the test
    split (`--test-tokens`) of `--corpus` one token at a time with every unit resident, recording the
-   units each token needs (`flashlm.workflows.profile.decode_trace`).
+   units each token needs (`flashlm.workflows.profile.decode_trace`; kept in `--out` and reused).
 2. The test trace is replayed through LFU caches with the capacities DIP-CA's runtime plans for
-   `--memory-budget` (`flashlm.sim.replay`): each token's misses per layer and kind, counted after
-   the first `--warmup` tokens.
+   `--memory-budget` and `--cache-split` (`flashlm.sim.replay`): each token's misses per layer and
+   kind, counted after the first `--warmup` tokens.
 3. Each order, learnt on the calibration trace only, maps unit ids to file rows: `natural` (the
    checkpoint's), `hot first` (by how often a unit is needed) and `co-activation` (a greedy chain from
    the most needed unit, each next the unused unit most often needed with the last one). The misses
@@ -84,11 +84,44 @@ def orders(calibration: Trace, layer: int, kind: str) -> dict[str, np.ndarray]:
     return positions
 
 
+def load_or_record_traces(path: Path, args: argparse.Namespace) -> dict[str, Trace]:
+    """The calibration and test decode traces, recorded once and kept in `--out` for later runs."""
+    tokens = {"calibration": args.calibration_tokens, "test": args.test_tokens}
+    files = {
+        split: args.out / f"trace-{path.name}-d{args.density:g}-{args.corpus}-{split}-{count}.safetensors"
+        for split, count in tokens.items()
+    }
+    if all(f.is_file() for f in files.values()):
+        return {split: Trace.load(f) for split, f in files.items()}
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = load_streaming(
+        path,
+        FlashConfig(method="dip", density=args.density, memory_budget=RESIDENT_BUDGET, record_trace=True),
+    )
+    traces = {}
+    try:
+        for split, count in tokens.items():
+            ids = corpus_tokens(args.corpus, tokenizer, split=split)[:count]
+            traces[split] = decode_trace(model, ids, context_length=min(args.context_length, count))
+    finally:
+        release(model)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for split, recorded in traces.items():
+        recorded.save(files[split])
+    return traces
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-1.5b", help="bundled name or checkpoint directory")
     parser.add_argument("--density", type=float, default=0.6)
     parser.add_argument("--memory-budget", default="50%")
+    parser.add_argument(
+        "--cache-split",
+        default="read-cost",
+        choices=("read-cost", "size"),
+        help="the caches' plan (FlashConfig)",
+    )
     parser.add_argument("--corpus", default="shakespeare")
     parser.add_argument("--calibration-tokens", type=int, default=512)
     parser.add_argument("--test-tokens", type=int, default=256)
@@ -98,25 +131,13 @@ def main() -> None:
     args = parser.parse_args()
 
     path = Path(model_path(args.model))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = load_streaming(
-        path,
-        FlashConfig(method="dip", density=args.density, memory_budget=RESIDENT_BUDGET, record_trace=True),
-    )
-    try:
-        traces = {
-            split: decode_trace(
-                model,
-                corpus_tokens(args.corpus, tokenizer, split=split)[:tokens],
-                context_length=min(args.context_length, tokens),
-            )
-            for split, tokens in (("calibration", args.calibration_tokens), ("test", args.test_tokens))
-        }
-    finally:
-        release(model)
-
+    traces = load_or_record_traces(path, args)
     config = FlashConfig(
-        method="dip", density=args.density, cache_aware=0.2, memory_budget=args.memory_budget
+        method="dip",
+        density=args.density,
+        cache_aware=0.2,
+        memory_budget=args.memory_budget,
+        cache_split=args.cache_split,
     )
     store = open_checkpoint_store(path, config)
     runtime = DIPMLP.make_runtime(store, config, DIPMLP.load_fitted(store))
@@ -127,12 +148,12 @@ def main() -> None:
     test = traces["test"]
     replayed = replay(test, capacity=capacities, policy="lfu", record_misses=True)
 
-    totals: dict[str, dict[str, float]] = {}
-    needed_bytes = 0
+    totals: dict[tuple[str, str], dict[str, float]] = {}  # (order, kind) -> bytes and requests
+    needed: dict[str, float] = {}
     for (layer, kind), missed in replayed.missed_ids.items():
         steps = missed[args.warmup :]
         row_bytes = store.row_file(layer, kind).row_bytes
-        needed_bytes += sum(len(ids) for ids in steps) * row_bytes
+        needed[kind] = needed.get(kind, 0.0) + sum(len(ids) for ids in steps) * row_bytes
         if not any(len(ids) for ids in steps):
             continue
         for name, position in orders(traces["calibration"], layer, kind).items():
@@ -142,7 +163,7 @@ def main() -> None:
                 test.num_units[kind],
                 merge_gap_bytes=disk.merge_gap_bytes,
             )
-            entry = totals.setdefault(name, {"bytes": 0.0, "requests": 0.0})
+            entry = totals.setdefault((name, kind), {"bytes": 0.0, "requests": 0.0})
             entry["bytes"] += float(sizes.sum())
             entry["requests"] += float(len(sizes))
 
@@ -150,28 +171,39 @@ def main() -> None:
     calibration_tokens = traces["calibration"].num_steps
     lines = [
         f"## {args.model}: DIP at density {args.density}, LFU caches of DIP-CA's plan at "
-        f"{args.memory_budget}, {steps} test tokens of {args.corpus} after {args.warmup} (orders learnt on "
+        f"{args.memory_budget} (cache split {args.cache_split}), {steps} test tokens of {args.corpus} "
+        f"after {args.warmup} (orders learnt on "
         f"{calibration_tokens} calibration tokens); disk: {disk.threads} threads, "
         f"{1e6 * disk.request_cost_s:.0f} µs per request, {disk.bandwidth / 1e9:.2f} GB/s, merge gap "
         f"{disk.merge_gap_bytes / 1e3:.0f} KB",
         "",
-        f"Needed misses: {needed_bytes / steps / 1e6:.0f} MB/token (the same for every order).",
+        "Needed misses (the same for every order): "
+        + ", ".join(f"{kind} {value / steps / 1e6:.0f} MB/token" for kind, value in needed.items())
+        + ".",
         "",
-        "| store order | MB requested/token | requests/token | over-read | predicted read ms/token |",
-        "|---|---|---|---|---|",
+        "| store order | kind | MB requested/token | requests/token | over-read | predicted read ms/token |",
+        "|---|---|---|---|---|---|",
     ]
-    for name, entry in totals.items():
-        per_token = {key: value / steps for key, value in entry.items()}
-        predicted = per_token["requests"] * disk.request_cost_s + per_token["bytes"] / disk.bandwidth
-        lines.append(
-            f"| {name} | {per_token['bytes'] / 1e6:.0f} | {per_token['requests']:.0f} "
-            f"| {entry['bytes'] / needed_bytes - 1:.1%} | {1e3 * predicted:.0f} |"
-        )
+    for name in dict.fromkeys(order for order, _ in totals):
+        rows = {kind: entry for (order, kind), entry in totals.items() if order == name}
+        rows["all"] = {field: sum(entry[field] for entry in rows.values()) for field in ("bytes", "requests")}
+        for kind, entry in rows.items():
+            wanted = sum(needed.values()) if kind == "all" else needed[kind]
+            per_token = {key: value / steps for key, value in entry.items()}
+            predicted = per_token["requests"] * disk.request_cost_s + per_token["bytes"] / disk.bandwidth
+            lines.append(
+                f"| {name} | {kind} | {per_token['bytes'] / 1e6:.0f} | {per_token['requests']:.0f} "
+                f"| {entry['bytes'] / wanted - 1:.1%} | {1e3 * predicted:.0f} |"
+            )
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"store-order-{path.name}"
+    stem = args.out / f"store-order-{path.name}-{args.cache_split}"
     stem.with_suffix(".json").write_text(
         json.dumps(
-            {"args": vars(args) | {"out": str(args.out)}, "needed_bytes": needed_bytes, "orders": totals}
+            {
+                "args": vars(args) | {"out": str(args.out)},
+                "needed_bytes": needed,
+                "orders": {f"{order}/{kind}": entry for (order, kind), entry in totals.items()},
+            }
         )
     )
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
