@@ -5,7 +5,6 @@ after a SIGKILL and runs on two processes under `accelerate launch`."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_model, save_word_tokenizer, tiny_config
-from test_relufy_recipe import CORPUS, _free_port, _require_corpus, _run
+from test_relufy_recipe import CORPUS, _free_port, _require_corpus, _run, run_recipe
 from transformers import AutoModelForCausalLM
 
 import flashlm
@@ -46,6 +45,8 @@ from flashlm.training.lora import (
 from flashlm.training.relufy import lora_targets
 from flashlm.training.trainer import LOG_NAME, RESULT_NAME, read_log
 from flashlm.workflows.fuse import fuse_adapter, fuse_pruned_checkpoint
+
+RECIPE = "flashlm.training.lora"
 
 IDS = torch.arange(3, 40).reshape(1, -1)
 
@@ -306,31 +307,17 @@ def test_flashlm_train_lora_and_fuse_on_the_command_line(tiny_dir, tmp_path, cap
     assert "LoRA recovery trains under the masks of dip" in capsys.readouterr().err
 
 
-CHILD = """
-import os, signal, sys
-from flashlm.training.lora import build_parser, options_from_args, run
-
-def kill(step, record):
-    if step == int(os.environ["KILL_AT"]):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-run(*options_from_args(build_parser().parse_args(sys.argv[1:])), on_step=kill)
-"""
-
-
 def test_a_run_killed_with_sigkill_resumes_to_the_uninterrupted_losses(tiny_dir, tmp_path):
     _require_corpus()
     extra = ("--no-eval", "--steps", "9", "--density", "0.5")
-    reference = _run(
-        [sys.executable, "-m", "flashlm.training.lora", *_common(tiny_dir, tmp_path / "a", extra=extra)]
-    )
+    reference = run_recipe(RECIPE, _common(tiny_dir, tmp_path / "a", extra=extra))
     assert reference.returncode == 0, reference.stderr
     killed_dir = tmp_path / "b"
     args = _common(tiny_dir, killed_dir, extra=extra)
-    killed = _run([sys.executable, "-c", CHILD, *args], env={**os.environ, "KILL_AT": "5"})
+    killed = run_recipe(RECIPE, args, kill_at=5)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert not (killed_dir / ADAPTER_DIR).exists()
-    resumed = _run([sys.executable, "-m", "flashlm.training.lora", *args])
+    resumed = run_recipe(RECIPE, args)
     assert resumed.returncode == 0, resumed.stderr
     a = read_log(tmp_path / "a" / TRAIN_DIR / LOG_NAME)
     b = read_log(killed_dir / TRAIN_DIR / LOG_NAME)

@@ -32,6 +32,7 @@ from flashlm.training.relufy import (
 )
 from flashlm.training.trainer import LOG_NAME, RESULT_NAME, read_log
 
+RECIPE = "flashlm.training.relufy"
 CORPUS = "jargon"  # the smallest corpus: tokenizing it with the word tokenizer takes a fraction of a second
 
 
@@ -198,36 +199,43 @@ def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.Compl
     return subprocess.run(args, capture_output=True, text=True, env=env or os.environ.copy(), timeout=300)
 
 
-CHILD = """
-import os, signal, sys
-from flashlm.training.relufy import build_parser, options_from_args, run
+KILLED_CHILD = """
+import importlib, os, signal, sys
+recipe = importlib.import_module(sys.argv[1])
 
 def kill(step, record):
     if step == int(os.environ["KILL_AT"]):
         os.kill(os.getpid(), signal.SIGKILL)  # no cleanup of any kind, as a crash or an OOM kill
 
-run(*options_from_args(build_parser().parse_args(sys.argv[1:])), on_step=kill)
+recipe.run(*recipe.options_from_args(recipe.build_parser().parse_args(sys.argv[2:])), on_step=kill)
 """
+
+
+def run_recipe(module: str, args: list[str], *, kill_at: int | None = None) -> subprocess.CompletedProcess:
+    """Run the recipe `module` (`python -m module args`) in a new process; with `kill_at`, SIGKILL it once
+    step `kill_at` is done."""
+    if kill_at is None:
+        return _run([sys.executable, "-m", module, *args])
+    return _run(
+        [sys.executable, "-c", KILLED_CHILD, module, *args], env={**os.environ, "KILL_AT": str(kill_at)}
+    )
 
 
 def test_a_run_killed_with_sigkill_resumes_to_the_uninterrupted_losses(tiny_dir, tmp_path):
     _require_corpus()
     # full fine-tune and the CE term: a loss that moves a lot, so any divergence would show
     extra = ("--mode", "full", "--ce-weight", "1", "--no-eval", "--steps", "9")
-    reference = _run(
-        [sys.executable, "-m", "flashlm.training.relufy", *_common(tiny_dir, tmp_path / "a", extra=extra)]
-    )
+    reference = run_recipe(RECIPE, _common(tiny_dir, tmp_path / "a", extra=extra))
     assert reference.returncode == 0, reference.stderr
 
     killed_dir = tmp_path / "b"
     args = _common(tiny_dir, killed_dir, extra=extra)
-    # after checkpoint 3, before checkpoint 6
-    killed = _run([sys.executable, "-c", CHILD, *args], env={**os.environ, "KILL_AT": "5"})
+    killed = run_recipe(RECIPE, args, kill_at=5)  # after checkpoint 3, before checkpoint 6
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert [r["step"] for r in read_log(killed_dir / TRAIN_DIR / LOG_NAME)] == [1, 2, 3, 4, 5]
     assert not (killed_dir / MODEL_DIR).exists()
 
-    resumed = _run([sys.executable, "-m", "flashlm.training.relufy", *args])
+    resumed = run_recipe(RECIPE, args)
     assert resumed.returncode == 0, resumed.stderr
     a = read_log(tmp_path / "a" / TRAIN_DIR / LOG_NAME)
     b = read_log(killed_dir / TRAIN_DIR / LOG_NAME)

@@ -63,6 +63,7 @@ from .trainer import (
     add_eval_arguments,
     add_recipe_arguments,
     add_trainer_arguments,
+    recipe_options_from_args,
     train_config_from_args,
 )
 
@@ -584,23 +585,14 @@ def build_parser(prog: str = "python -m flashlm.training.lora") -> argparse.Argu
 def options_from_args(args: argparse.Namespace) -> tuple[LoraOptions, TrainConfig]:
     """The recipe's and the trainer's settings from parsed arguments."""
     options = LoraOptions(
-        output_dir=args.out,
-        model=args.model,
+        **recipe_options_from_args(args),
         method=args.method,
         density=args.density,
         store=args.store,
         rank=args.rank,
         alpha=args.alpha,
         dropout=args.dropout,
-        corpora=args.corpora,
-        seq_len=args.seq_len,
-        mixed_precision=args.mixed_precision,
-        evaluate=args.evaluate,
-        eval_corpora=args.eval_corpora,
-        eval_tokens=args.eval_tokens,
-        eval_context=args.eval_context,
         memory_budget=args.memory_budget,
-        progress=args.progress,
     )
     lr = args.lr if args.lr is not None else 1e-3
     return options, train_config_from_args(args, Path(args.out) / TRAIN_DIR, lr=lr)

@@ -74,6 +74,7 @@ from .trainer import (
     add_eval_arguments,
     add_recipe_arguments,
     add_trainer_arguments,
+    recipe_options_from_args,
     train_config_from_args,
 )
 
@@ -601,8 +602,7 @@ def build_parser(prog: str = "python -m flashlm.training.relufy") -> argparse.Ar
 def options_from_args(args: argparse.Namespace) -> tuple[RelufyOptions, TrainConfig]:
     """The recipe's and the trainer's settings from parsed arguments."""
     options = RelufyOptions(
-        output_dir=args.out,
-        model=args.model,
+        **recipe_options_from_args(args),
         activation=args.activation,
         threshold=args.threshold,
         target_zeros=None if args.threshold is not None or args.activation == RELU else args.target_zeros,
@@ -612,16 +612,8 @@ def options_from_args(args: argparse.Namespace) -> tuple[RelufyOptions, TrainCon
         lora_dropout=args.lora_dropout,
         lora_targets=args.lora_targets,
         teacher=args.teacher,
-        corpora=args.corpora,
-        seq_len=args.seq_len,
-        mixed_precision=args.mixed_precision,
         save_dtype=args.save_dtype,
-        evaluate=args.evaluate,
-        eval_corpora=args.eval_corpora,
-        eval_tokens=args.eval_tokens,
-        eval_context=args.eval_context,
         eval_dtype=args.eval_dtype,
-        progress=args.progress,
     )
     lr = args.lr if args.lr is not None else default_lr(args.mode)
     train = train_config_from_args(args, Path(args.out) / TRAIN_DIR, lr=lr)

@@ -253,6 +253,23 @@ def add_recipe_arguments(parser: argparse.ArgumentParser, *, outputs: str) -> No
     p.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence (default: 128)")
 
 
+def recipe_options_from_args(args: argparse.Namespace) -> dict:
+    """The recipe options every recipe's arguments carry (`add_recipe_arguments`, `add_eval_arguments`,
+    `--mixed-precision`, `--no-progress`), by their options' field names."""
+    return {
+        "output_dir": args.out,
+        "model": args.model,
+        "corpora": args.corpora,
+        "seq_len": args.seq_len,
+        "mixed_precision": args.mixed_precision,
+        "evaluate": args.evaluate,
+        "eval_corpora": args.eval_corpora,
+        "eval_tokens": args.eval_tokens,
+        "eval_context": args.eval_context,
+        "progress": args.progress,
+    }
+
+
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """The recipes' measurement options: `--no-eval`, the test-split corpora, tokens and window."""
     p = parser
