@@ -125,7 +125,8 @@ def model_type_of(config) -> str:
     return config.model_type
 
 
-def _layer_index(name: str) -> int | None:
+def layer_index(name: str) -> int | None:
+    """The layer a module or tensor name belongs to: its last dotted number (`layers.3.mlp` -> 3)."""
     numbers = [part for part in name.split(".") if part.isdigit()]
     return int(numbers[-1]) if numbers else None
 
@@ -144,7 +145,7 @@ def find_mlps(model: nn.Module, spec: MLPSpec) -> list[tuple[int, str, nn.Module
         children = dict(module.named_children())
         if not wanted.issubset(children):
             continue
-        index = _layer_index(name)
+        index = layer_index(name)
         if index is not None:
             found.append((index, name, module))
     if not found:
@@ -187,7 +188,7 @@ def mlp_owner_names(spec: MLPSpec, tensor_names: Iterable[str]) -> list[str]:
     owner = re.escape(spec.owner)
     pattern = re.compile(rf"^(.*\.\d+\.{owner})\.{suffix}$" if spec.owner else rf"^(.*\.\d+)\.{suffix}$")
     owners = [match.group(1) for name in tensor_names if (match := pattern.match(name))]
-    owners.sort(key=_layer_index)
+    owners.sort(key=layer_index)
     if not owners:
         raise UnsupportedArchitectureError(
             f"No {spec.family}-family MLP weights (names ending in '{spec.down}.weight' inside numbered "

@@ -29,7 +29,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .._version import __version__
-from ..arch import MLPSpec, _layer_index
+from ..arch import MLPSpec, layer_index
 from ..errors import StoreCorruptError, StoreMismatchError, UnsupportedArchitectureError
 from .format import (
     FORMAT,
@@ -426,7 +426,7 @@ def _check_shapes(
 
 
 def _check_layer_indices(owners: list[str]) -> None:
-    indices = [_layer_index(owner) for owner in owners]
+    indices = [layer_index(owner) for owner in owners]
     if indices != list(range(len(owners))):
         raise UnsupportedArchitectureError(
             f"Expected MLPs in layers 0..{len(owners) - 1}, found layers {indices}."

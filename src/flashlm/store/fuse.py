@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
 
-from ..arch import MLPSpec, _layer_index, mlp_weight_names, spec_for
+from ..arch import MLPSpec, layer_index, mlp_weight_names, spec_for
 from ..errors import (
     StoreCorruptError,
     StoreMismatchError,
@@ -84,10 +84,10 @@ class LoraAdapter:
                 f"{path} is not a flashlm LoRA adapter: it lacks {', '.join(missing)}. {retrain}"
             )
         try:
-            config = json.loads(files[ADAPTER_CONFIG].read_text())
+            config_bytes, weights = files[ADAPTER_CONFIG].read_bytes(), files[ADAPTER_WEIGHTS].read_bytes()
+            config = json.loads(config_bytes)
             trained_on = str(json.loads(files[ADAPTER_RECORD].read_text())["store_content_sha256"])
-            with safe_open(str(files[ADAPTER_WEIGHTS]), framework="pt", device="cpu") as f:
-                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
+            tensors = load_safetensors(weights)  # read once: the same bytes are hashed below
         except Exception as exc:  # safetensors raises its own SafetensorError (no public base class)
             raise AdapterCorruptError(
                 f"{path} is unreadable ({type(exc).__name__}: {exc}). {retrain}"
@@ -99,8 +99,8 @@ class LoraAdapter:
                 "Fuse it into the store it was trained on, or train an adapter for this one."
             )
         factors, scaling = _factors(config, tensors, store, path, retrain)
-        digest = hashlib.sha256(files[ADAPTER_CONFIG].read_bytes())
-        digest.update(files[ADAPTER_WEIGHTS].read_bytes())
+        digest = hashlib.sha256(config_bytes)
+        digest.update(weights)
         return cls(path=path, sha256=digest.hexdigest(), factors=factors, scaling=scaling)
 
 
@@ -139,7 +139,7 @@ def _factors(
                 raise AdapterCorruptError(f"{path} holds {name!r}, which is not a LoRA matrix. {retrain}")
             continue
         module = name.removesuffix(".lora_A.weight")
-        layer, role = _layer_index(module), roles.get(module.rsplit(".", 1)[-1])
+        layer, role = layer_index(module), roles.get(module.rsplit(".", 1)[-1])
         b = tensors.get(f"{module}.lora_B.weight")
         if layer is None or role is None or not 0 <= layer < store.num_layers:
             raise AdapterCorruptError(
