@@ -172,8 +172,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
         context_length=args.context_length,
     )
     print(f"profiled {profile.tokens} tokens of {profile.corpus}; wrote {path}")
+    shown = (0, max(layer for layer, _ in profile.frequencies))  # the first and the last layer
     for (layer, kind), frequency in sorted(profile.frequencies.items()):
-        if layer in (0, max(key[0] for key in profile.frequencies)):
+        if layer in shown:
             top = frequency.sort(descending=True).values
             tenth = max(1, frequency.numel() // 10)
             print(
