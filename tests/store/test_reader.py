@@ -250,6 +250,20 @@ def test_truncated_file_raises(direct_dir: Path, direct: bool) -> None:
 
 
 @pytest.mark.parametrize("direct", [True, False])
+def test_truncated_after_opening_read_in_place_raises(
+    direct_dir: Path, direct: bool, in_place_path: str
+) -> None:
+    f, data = make_file(direct_dir, 1000, 576)
+    matrix = row_matrix(1000, 576, torch.bfloat16)
+    with StoreReader({0: f}, direct_io=direct) as reader:
+        os.truncate(f.path, f.data_offset + 500 * f.row_bytes + 10)
+        reader.read_in_place(0, torch.tensor([1, 2]), matrix)  # before the cut: fine
+        assert torch.equal(matrix[1:3], data[1:3])
+        with pytest.raises(StoreCorruptError, match="truncated: end of file at byte"):
+            reader.read_in_place(0, torch.tensor([1, 700]), matrix)
+
+
+@pytest.mark.parametrize("direct", [True, False])
 def test_small_buffer_serves_in_batches(direct_dir: Path, direct: bool) -> None:
     f, _ = make_file(direct_dir, 2000, 1728)  # 3456-byte rows
     small = f.row_bytes + 2 * ALIGNMENT + 1
@@ -322,9 +336,91 @@ def test_bytes_read_agrees_with_proc_io(direct_dir: Path) -> None:
     assert reader.bytes_read == pytest.approx(kernel, rel=0.10)
 
 
+@pytest.fixture(params=["native", "python"])
+def in_place_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """`read_in_place` by the C planner and pool, or by the Python path (numpy plan, os.preadv threads)."""
+    if request.param == "python":
+        monkeypatch.setattr(reader_mod, "native_reader", lambda: None)
+    elif reader_mod.native_reader() is None:
+        pytest.skip("the C reader needs a C compiler")
+    return request.param
+
+
+def _native_plan(ids: np.ndarray, f: RowFile, alignment: int, gap: int, chunk: int) -> np.ndarray:
+    """The (offset, length, needed) requests the C planner makes."""
+    library = reader_mod.native_reader()
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    out = np.zeros((3 * len(ids) + 64, 3), dtype=np.int64)
+    count = library.flashlm_plan_rows(
+        ids.ctypes.data, len(ids), f.rows, f.row_bytes, f.data_offset, alignment, gap, chunk,
+        out.ctypes.data, len(out),
+    )  # fmt: skip
+    assert 0 <= count <= len(out)
+    return out[:count]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_native_plan_is_the_python_plan(seed: int) -> None:
+    """The C planner makes exactly the requests `plan_reads` + `split_chunks` make for `read_in_place`."""
+    if reader_mod.native_reader() is None:
+        pytest.skip("the C reader needs a C compiler")
+    rng = np.random.default_rng(seed)
+    rows, width = int(rng.integers(1, 400)), int(rng.choice([64, 333, 576, 1536, 2048, 3333]))
+    f = RowFile(Path("unused"), ALIGNMENT, rows, width, torch.bfloat16)
+    ids = np.sort(rng.choice(rows, int(rng.integers(1, rows + 1)), replace=False))
+    alignment = int(rng.choice([1, ALIGNMENT]))
+    gap = int(rng.choice([0, 4096, 40960, 1 << 20]))
+    chunk = int(rng.choice([4096, 65536, 256 * 1024]))
+    plan = plan_reads(
+        ids, f.row_bytes, f.data_offset, alignment=alignment, merge_gap_bytes=gap,
+        max_run_bytes=f.nbytes + 2 * ALIGNMENT,
+    )  # fmt: skip
+    run, within, length = split_chunks(plan.run_starts, plan.run_ends, chunk)
+    offsets = plan.run_starts[run] + within
+    needed = np.clip(plan.run_needed_ends[run] - offsets, 0, length)
+    assert np.array_equal(_native_plan(ids, f, alignment, gap, chunk), np.stack([offsets, length, needed], 1))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_native_and_python_reads_in_place_agree(direct_dir: Path, direct: bool, monkeypatch) -> None:
+    """The same rows land, the same bytes and requests are counted, whichever path reads."""
+    if reader_mod.native_reader() is None:
+        pytest.skip("the C reader needs a C compiler")
+    f, data = make_file(direct_dir, 500, 1536)
+    results = {}
+    for path in ("native", "python"):
+        if path == "python":
+            monkeypatch.setattr(reader_mod, "native_reader", lambda: None)
+        matrix = row_matrix(500, 1536, torch.bfloat16)
+        matrix.fill_(7.0)
+        with StoreReader({"m": f}, direct_io=direct, threads=4, chunk_bytes=16384) as reader:
+            for seed in range(5):
+                reader.read_in_place("m", random_ids(500, 40 + 50 * seed, seed), matrix)
+            results[path] = (matrix.clone(), reader.bytes_read, reader.reads_issued)
+    assert torch.equal(results["native"][0], results["python"][0])
+    assert results["native"][1:] == results["python"][1:]
+    wanted = torch.cat([random_ids(500, 40 + 50 * seed, seed) for seed in range(5)]).unique()
+    assert torch.equal(results["native"][0][wanted], data[wanted])
+
+
+def test_read_in_place_checks_the_ids(direct_dir: Path, in_place_path: str) -> None:
+    f, _ = make_file(direct_dir, 10, 64)
+    matrix = row_matrix(10, 64, torch.bfloat16)
+    with StoreReader({"m": f}, direct_io=True) as reader:
+        with pytest.raises(ValueError, match="sorted"):
+            reader.read_in_place("m", torch.tensor([3, 2, 5]), matrix)
+        with pytest.raises(ValueError, match="sorted"):
+            reader.read_in_place("m", torch.tensor([1, 1]), matrix)
+        with pytest.raises(ValueError, match=r"lie in \[0, 10\)"):
+            reader.read_in_place("m", torch.tensor([-1, 4]), matrix)
+        with pytest.raises(ValueError, match=r"lie in \[0, 10\)"):
+            reader.read_in_place("m", torch.tensor([4, 10]), row_matrix(11, 64, torch.bfloat16))
+        assert reader.reads_issued == 0
+
+
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("first", [0, 1, 37, 99])
-def test_read_in_place_of_a_range(direct_dir: Path, direct: bool, first: int) -> None:
+def test_read_in_place_of_a_range(direct_dir: Path, direct: bool, first: int, in_place_path: str) -> None:
     """Rows `first..` land at their own rows of a `row_matrix`; the rows before stay as they were but
     for the block the aligned read shares with row `first - 1` (O_DIRECT reads whole blocks)."""
     f, data = make_file(direct_dir, 100, 333)  # 666-byte rows: blocks straddle rows, the file ends mid-block
@@ -344,7 +440,7 @@ def test_read_in_place_of_a_range(direct_dir: Path, direct: bool, first: int) ->
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_read_in_place_of_scattered_rows(direct_dir: Path, direct: bool) -> None:
+def test_read_in_place_of_scattered_rows(direct_dir: Path, direct: bool, in_place_path: str) -> None:
     """Every wanted row lands at its own row; any other byte holds its file byte or what it held."""
     f, data = make_file(direct_dir, 300, 3333)  # 6666-byte rows: runs of them stay apart
     ids = torch.nonzero(torch.rand(300, generator=torch.Generator().manual_seed(1)) < 0.3).squeeze(1)
@@ -357,7 +453,7 @@ def test_read_in_place_of_scattered_rows(direct_dir: Path, direct: bool) -> None
     assert bool(((matrix == data) | (matrix == 7.0)).all())
 
 
-def test_read_in_place_rejects_what_it_cannot_fill(direct_dir: Path) -> None:
+def test_read_in_place_rejects_what_it_cannot_fill(direct_dir: Path, in_place_path: str) -> None:
     f, _ = make_file(direct_dir, 10, 64)
     with StoreReader({"m": f}, direct_io=True) as reader:
         with pytest.raises(ValueError, match="cannot hold"):

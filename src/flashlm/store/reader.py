@@ -7,6 +7,10 @@ gap ("read more than needed, in larger chunks, then discard", LLM in a flash §2
 every request is the 4096-aligned superset of what it wants. Runs are cut into chunks that a
 thread pool reads in parallel (`os.preadv` releases the GIL) into one preallocated, page-aligned
 buffer; the wanted rows are then gathered from it into the caller's tensor.
+
+`read_in_place`, the decode path, plans and reads in C (`_reader.c`) where a compiler is found: the
+same plan, served by a pool of C threads with the GIL released, so a layer's read costs the Python
+threads of a 2-core machine one call instead of a planning pass and a Python step per request.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import mmap
 import os
 import sys
@@ -21,12 +26,18 @@ import threading
 from collections.abc import Hashable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from .._native import load_library
 from ..errors import ConfigError, FlashLMError, StoreCorruptError, StoreNotFoundError
 from .rowfile import ALIGNMENT, RowFile
+
+NATIVE_SOURCE = Path(__file__).with_name("_reader.c")
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_PLAN_ERRORS = {-1: "ids must be sorted ascending and unique.", -3: "out of memory planning the reads."}
 
 # Defaults measured on the development disk (virtio /dev/vda, ext4, 2 cores) with
 #   python benchmarks/reader_throughput.py --size 1GB --out /var/tmp/reader_throughput.json
@@ -91,6 +102,24 @@ def row_matrix(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
     rows can land in place (the partial blocks at its ends fall on neighbouring rows or the spare)."""
     nbytes = rows * width * dtype.itemsize
     return aligned_buffer(nbytes + ALIGNMENT)[:nbytes].view(dtype).view(rows, width)
+
+
+@functools.cache
+def native_reader() -> ctypes.CDLL | None:
+    """The C planner and reader pool (`_reader.c`), or None where it cannot be built (the Python path
+    then serves every call)."""
+    library = load_library(NATIVE_SOURCE, "reader")
+    if library is None:
+        return None
+    library.flashlm_reader_new.argtypes = [_I]
+    library.flashlm_reader_new.restype = _P
+    library.flashlm_reader_free.argtypes = [_P]
+    library.flashlm_reader_free.restype = None
+    library.flashlm_read_rows.argtypes = [_P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _P, _P]
+    library.flashlm_read_rows.restype = _I
+    library.flashlm_plan_rows.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _P, _I]
+    library.flashlm_plan_rows.restype = _I
+    return library
 
 
 class DirectIOUnavailableError(FlashLMError, OSError):
@@ -251,6 +280,9 @@ class StoreReader:
         self._windows: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         if self.threads > 1:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="flashlm-reader")
+        self._native: tuple[int, int] | None = None
+        """(pid, handle) of the C reader pool `read_in_place` uses, made on first use by that process."""
+        self._native_stats = np.zeros(4, dtype=np.int64)
         self._closed = False
 
     def _open_all(self, direct_io: bool | None) -> None:
@@ -343,7 +375,9 @@ class StoreReader:
                 self._read_batch(self._fds[key], f, plan, first_run, last_run, out)
 
     @staticmethod
-    def _check_args(f: RowFile, ids: torch.Tensor, out: torch.Tensor) -> None:
+    def _check_args(f: RowFile, ids: torch.Tensor, out: torch.Tensor, *, check_ids: bool = True) -> None:
+        """Types and shapes; with `check_ids`, the ids' range and order too (the C planner checks
+        those itself)."""
         if ids.dtype != torch.int64 or ids.dim() != 1 or ids.device.type != "cpu":
             raise ValueError(
                 f"ids must be a 1-D int64 CPU tensor, got {ids.dtype} {tuple(ids.shape)} on {ids.device}."
@@ -354,6 +388,8 @@ class StoreReader:
             )
         if out.shape[0] < len(ids) or out.shape[1] != f.width:
             raise ValueError(f"out {tuple(out.shape)} cannot hold {len(ids)} rows of width {f.width}.")
+        if not check_ids:
+            return
         if len(ids) and (int(ids[0]) < 0 or int(ids[-1]) >= f.rows):
             raise ValueError(f"ids must lie in [0, {f.rows}), got {int(ids[0])}..{int(ids[-1])}.")
         if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
@@ -424,7 +460,8 @@ class StoreReader:
         if self._closed:
             raise ValueError("This StoreReader is closed.")
         f = self.files[key]
-        self._check_args(f, ids, matrix)
+        pool = self._native_pool()
+        self._check_args(f, ids, matrix, check_ids=pool is None)
         if matrix.shape[0] != f.rows and len(ids) and int(ids[-1]) >= matrix.shape[0]:
             raise ValueError(f"matrix has {matrix.shape[0]} rows; row {int(ids[-1])} does not fit.")
         if not matrix.is_contiguous():
@@ -432,6 +469,9 @@ class StoreReader:
         if self.mode == "direct" and matrix.data_ptr() % mmap.PAGESIZE:
             raise ValueError("O_DIRECT reads need a page-aligned matrix: allocate it with `row_matrix`.")
         if len(ids) == 0:
+            return
+        if pool is not None:
+            self._read_in_place_natively(pool, key, f, ids, matrix)
             return
         plan = plan_reads(
             ids.numpy(),
@@ -459,6 +499,59 @@ class StoreReader:
         )
         with self._lock:
             self._issue(self._fds[key], f, requests, view)
+
+    def _native_pool(self) -> int | None:
+        """This process's C reader pool, made on first use (a forked child makes its own: threads do not
+        survive a fork); None without the C library."""
+        library = native_reader()
+        if library is None:
+            return None
+        if self._native is None or self._native[0] != os.getpid():
+            with self._lock:
+                if self._native is None or self._native[0] != os.getpid():
+                    handle = library.flashlm_reader_new(self.threads)
+                    if not handle:
+                        return None
+                    self._native = (os.getpid(), handle)
+        return self._native[1]
+
+    def _read_in_place_natively(
+        self, pool: int, key: Hashable, f: RowFile, ids: torch.Tensor, matrix: torch.Tensor
+    ) -> None:
+        """`read_in_place` by the C planner and pool: the plan `plan_reads` would make, with the ids'
+        order and range checked there."""
+        if not ids.is_contiguous():
+            ids = ids.contiguous()
+        stats = self._native_stats
+        with self._lock:
+            status = native_reader().flashlm_read_rows(
+                pool,
+                self._fds[key],
+                ids.data_ptr(),
+                len(ids),
+                f.rows,
+                f.row_bytes,
+                f.data_offset,
+                ALIGNMENT if self.mode == "direct" else 1,
+                self.merge_gap_bytes,
+                self.chunk_bytes,
+                matrix.data_ptr(),
+                stats.ctypes.data,
+            )
+            if status == -2:
+                raise ValueError(f"ids must lie in [0, {f.rows}), got {int(ids.min())}..{int(ids.max())}.")
+            if status:
+                raise ValueError(_PLAN_ERRORS.get(status, f"read planning failed ({status})."))
+            nbytes, calls, eof_at, error = stats.tolist()
+            self.bytes_read += nbytes
+            self.reads_issued += calls
+        if error:
+            raise OSError(error, os.strerror(error), str(f.path))
+        if eof_at >= 0:
+            raise StoreCorruptError(
+                f"Store file {f.path} is truncated: end of file at byte {eof_at}, but row data runs to "
+                f"byte {f.data_offset + f.nbytes}. Convert the store again."
+            )
 
     def read_all(self, key: Hashable, out: torch.Tensor) -> None:
         """Read every row of `files[key]` straight into `out`, with no intermediate buffer or copy.
@@ -527,6 +620,9 @@ class StoreReader:
         self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        if self._native is not None and self._native[0] == os.getpid():
+            native_reader().flashlm_reader_free(self._native[1])
+        self._native = None
         self._close_fds()
         self._windows.clear()
         self._view.release()
