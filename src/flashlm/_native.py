@@ -49,9 +49,14 @@ def kernels_enabled() -> bool:
 
 
 @functools.cache
-def load_library(source: Path, name: str, *, openmp: bool = False) -> ctypes.CDLL | None:
+def load_library(
+    source: Path, name: str, *, openmp: bool = False, hold_gil: bool = False
+) -> ctypes.CDLL | None:
     """`source` compiled (once per source, flags and CPU) and loaded; None where that is impossible
     (logged once, naming the torch fallback).
+
+    Calls release the GIL unless `hold_gil` (a `ctypes.PyDLL`: for functions of a few microseconds,
+    where giving the GIL to another thread and waiting to get it back costs more than the call).
 
     `openmp` builds with `-fopenmp`: the library then needs `libgomp.so.1`, which the dynamic linker
     finds already loaded by torch (its wheel ships that soname), so the kernel's parallel regions run
@@ -74,7 +79,7 @@ def load_library(source: Path, name: str, *, openmp: bool = False) -> ctypes.CDL
             detail = getattr(exc, "stderr", None) or exc
             logger.warning("flashlm: could not build %s (%s); using torch ops (slower).", name, detail)
             return None
-    return ctypes.CDLL(str(path))
+    return (ctypes.PyDLL if hold_gil else ctypes.CDLL)(str(path))
 
 
 def typed_functions(

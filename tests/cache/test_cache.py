@@ -494,3 +494,27 @@ def test_budget_rejects_inconsistent_arguments() -> None:
         split_budget(1000, unit_bytes=[0], num_units=[1], overhead_bytes=0)
     with pytest.raises(ConfigError, match="lru"):
         split_budget(1000, unit_bytes=[8], num_units=[1], overhead_bytes=0, policy="fifo")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_missing_in_c_is_the_torch_expression(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`missing` (C where a compiler is found) returns `ids[slot_of[ids] < 0]`, in order, uncounted."""
+    from flashlm.cache import neuron_cache
+
+    generator = torch.Generator().manual_seed(seed)
+    cache = NeuronCache(200, 120, WIDTH, torch.float32, make_policy("lfu", 200))
+    ids = torch.randperm(200, generator=generator)[:120].sort().values
+    cache.update(ids, ids, torch.randn(200, WIDTH, generator=generator), step=0, by_unit=True)
+    asked = torch.randperm(200, generator=generator)[: 1 + seed * 20].sort().values
+    expected = asked[cache.slot_of[asked] < 0]
+    assert torch.equal(cache.missing(asked), expected)
+    assert torch.equal(cache.missing(asked[:0]), expected[:0])
+    assert (cache.hits, cache.misses) == (0, 0)
+    monkeypatch.setattr(neuron_cache, "_native_missing", lambda: None)
+    assert torch.equal(cache.missing(asked), expected)
+
+
+def test_missing_rejects_ids_outside_the_layer() -> None:
+    cache = NeuronCache(10, 4, WIDTH, torch.float32, make_policy("lru", 10))
+    with pytest.raises(IndexError):
+        cache.missing(torch.tensor([3, 10]))

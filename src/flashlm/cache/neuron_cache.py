@@ -18,16 +18,33 @@ and the rest of the cache follows the policy in the remaining slots.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from .._native import load_library
 from ..errors import ConfigError
 from .policies import EvictionPolicy, policy_state_bytes
 
 INDEX_DTYPE = torch.int64
 INDEX_ITEMSIZE = torch.empty((), dtype=INDEX_DTYPE).element_size()
+
+
+@functools.cache
+def _native_missing() -> Callable[..., int] | None:
+    """`flashlm_missing` of `_lookup.c` (called with the GIL held), or None without a C compiler."""
+    library = load_library(Path(__file__).with_name("_lookup.c"), "lookup", hold_gil=True)
+    if library is None:
+        return None
+    function = library.flashlm_missing
+    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    function.restype = ctypes.c_int64
+    return function
 
 
 @dataclass
@@ -154,9 +171,23 @@ class NeuronCache(nn.Module):
 
     def find_misses(self, ids: torch.Tensor) -> torch.Tensor:
         """The units of the sorted unique `ids` that are not resident (in order); counts hits and misses."""
-        miss_ids = ids[self.slot_of[ids] < 0]
+        miss_ids = self.missing(ids)
         self.count(ids.numel() - miss_ids.numel(), miss_ids.numel())
         return miss_ids
+
+    def missing(self, ids: torch.Tensor) -> torch.Tensor:
+        """The units of `ids` that are not resident, in the order of `ids` (not counted). On the CPU,
+        one call to C (`_lookup.c`) where a compiler is found."""
+        native = _native_missing()
+        on_cpu = ids.device.type == "cpu" and self.slot_of.device.type == "cpu"
+        if native is None or not on_cpu or ids.dtype != INDEX_DTYPE or ids.dim() != 1:
+            return ids[self.slot_of[ids] < 0]
+        ids = ids.contiguous()
+        out = torch.empty_like(ids)
+        count = native(self.slot_of.data_ptr(), self.num_units, ids.data_ptr(), ids.numel(), out.data_ptr())
+        if count < 0:
+            raise IndexError(f"unit ids must lie in [0, {self.num_units}), got {ids.min()}..{ids.max()}.")
+        return out[:count]
 
     def count(self, hits: int, misses: int) -> None:
         """Add to the hit and miss counters (for callers that know them without a lookup)."""
@@ -222,8 +253,7 @@ class NeuronCache(nn.Module):
         """
         if self.capacity == self.pinned or ids.numel() == 0:
             return
-        ids = ids.to(self.slot_of.device)
-        fresh = ids[self.slot_of[ids] < 0]
+        fresh = self.missing(ids.to(self.slot_of.device))
         free = self.capacity - self.size
         if fresh.numel() <= free:
             self._append(fresh, rows, row_ids)

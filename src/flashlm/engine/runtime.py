@@ -381,8 +381,7 @@ class FlashRuntime(Runtime):
         cache = self.caches[(layer, kind)]
         if cache.holds_unit_prefix:
             return self.unit_ids[cache.size : cache.num_units]
-        ids = self.unit_ids[: cache.num_units]
-        return ids[cache.slot_of[ids] < 0]
+        return cache.missing(self.unit_ids[: cache.num_units])
 
     def read_layer(
         self, layer: int, kinds: tuple[str, ...] | None = None, *, ahead: bool = True
