@@ -362,12 +362,15 @@ class FlashRuntime(Runtime):
             perf_counter() - started,
         )
 
-    def update_later(self, layer: int, kind: str, update: Callable[[], None]) -> None:
-        """Run a cache's `update` (admission and eviction: row copies that grow with the misses) on the
-        I/O thread, off the decode's critical path. The queue is first in, first out, so it runs
-        before any later read that could reuse the staging rows it copies from; `settle` waits for it
-        before the cache is read again."""
-        self._updates[(layer, kind)] = self._io.submit(update)
+    def update_later(self, layer: int, kinds: tuple[str, ...], update: Callable[[], None]) -> None:
+        """Run `update` of `layer`'s caches of `kinds` (admission and eviction: row copies that grow with
+        the misses) on the I/O thread, off the decode's critical path: one task for a layer's caches,
+        since each hand-over to that thread costs the decode thread ~20 us. The queue is first in,
+        first out, so it runs before any later read that could reuse the staging rows it copies from;
+        `settle` waits for it before any of those caches is read again."""
+        done = self._io.submit(update)
+        for kind in kinds:
+            self._updates[(layer, kind)] = done
 
     def settle(self, layer: int, kind: str) -> None:
         """Wait for the update `update_later` queued for this cache, if any (raising its error)."""

@@ -171,7 +171,7 @@ class PredictorMLP(PredictorSelection, FlashMLP):
 
         step = runtime.step_start
         runtime.update_later(
-            layer, BUNDLE, lambda: cache.update(ids, miss_ids, fetched.matrix, step, by_unit=True)
+            layer, (BUNDLE,), lambda: cache.update(ids, miss_ids, fetched.matrix, step, by_unit=True)
         )
         if runtime.trace is not None:
             runtime.trace.record(step, layer, BUNDLE, ids)

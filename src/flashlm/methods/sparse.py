@@ -289,13 +289,19 @@ class SparseMLP(Selection, FlashMLP):
             self.INPUT_KIND, self.input_cache, self.select_input, x, times, sequential, early
         )
         a = self._timed(times, lambda: self.compute_input(x, in_mask, in_parts))
-        finish_in()
+        update_in = finish_in()
 
         out_mask, out_parts, finish_out = self._stage(
             self.OUTPUT_KIND, self.output_cache, self.select_output, a, times, sequential, early
         )
         out = self._timed(times, lambda: self.compute_output(x, a, out_mask, out_parts))
-        finish_out()
+        update_out = finish_out()
+        if update_in is not None:
+            updating = perf_counter()
+            # Deferring the input cache's update past the output stage is safe: it copies from the
+            # input kind's staging buffer, which no read reuses before the next layer's forward.
+            runtime.update_later(self.layer, self.KINDS, lambda: (update_in(), update_out()))
+            times.update_s += perf_counter() - updating
 
         hits, misses, evictions = (now - then for now, then in zip(self.counters(), before, strict=True))
         used = sum(
@@ -346,8 +352,9 @@ class SparseMLP(Selection, FlashMLP):
         """Select (`select(values, residency)`), look up and read one stage's units (`early`: a read of
         every uncached unit of the layer's kinds, already submitted).
 
-        Returns (mask, parts, finish); `finish()` updates the cache once the stage's rows are no
-        longer needed (the staging buffer is reused by the next layer).
+        Returns (mask, parts, finish); `finish()`, once the stage's rows are computed, returns the
+        cache's update (None where the stage updated the cache itself), for the I/O thread to run before
+        any later read reuses the staging buffer.
         """
         runtime, layer = self.runtime, self.layer
         runtime.settle(layer, kind)
@@ -383,16 +390,12 @@ class SparseMLP(Selection, FlashMLP):
             cache.rows[: cache.size], cache.slot_ids[: cache.size], pending, kind, miss_ids, times, whole
         )
 
-        def finish() -> None:
+        def finish() -> Callable[[], None]:
             fetched = parts.fetched
-            updating = perf_counter()
             if runtime.trace is not None:
                 runtime.trace.record(runtime.step_start, layer, kind, ids)
             step = runtime.step_start
-            runtime.update_later(
-                layer, kind, lambda: cache.update(ids, miss_ids, fetched.matrix, step, by_unit=True)
-            )
-            times.update_s += perf_counter() - updating
+            return lambda: cache.update(ids, miss_ids, fetched.matrix, step, by_unit=True)
 
         return mask, parts, finish
 
@@ -440,7 +443,7 @@ class SparseMLP(Selection, FlashMLP):
         times.update_s += perf_counter() - read_done
         if depends:
             mask = torch.stack(token_masks)
-        return mask, [(fetched.matrix, all_ids, None)], lambda: None
+        return mask, [(fetched.matrix, all_ids, None)], lambda: None  # updated token by token above
 
     def _depends_on_cache(self) -> bool:
         return self.gamma < 1
