@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -28,6 +28,7 @@ from ..store import ALIGNMENT, RowFile, Store, StoreReader
 from ..store.disk import DiskProfile, disk_profile
 from ..store.format import dense_kinds
 from ..store.reader import row_matrix
+from .io_thread import IOThread
 from .stats import FlashStats, StatsRecorder
 from .trace import TraceRecorder
 
@@ -81,7 +82,7 @@ class Runtime:
         self.budget_bytes = 0
         self.stats = StatsRecorder()
         self.reader: StoreReader | None = None
-        self._io: ThreadPoolExecutor | None = None
+        self._io: IOThread | None = None
         self.disk: DiskProfile | None = None
         """The measured profile of the store's disk that set the reader's threads and merge gap (None:
         the reader's defaults, or `io_threads` given)."""
@@ -96,7 +97,7 @@ class Runtime:
                 merge_gap_bytes=None if self.disk is None else self.disk.merge_gap_bytes,
                 buffer_bytes=0,  # every read lands in place in a buffer of the runtime's own
             )
-            self._io = ThreadPoolExecutor(1, thread_name_prefix=thread_name)
+            self._io = IOThread(thread_name)
 
     @property
     def io_mode(self) -> str:
@@ -136,7 +137,7 @@ class Runtime:
         """Stop the I/O thread and close the store's files; the model is unusable after."""
         self.drain()
         if self._io is not None:
-            self._io.shutdown(wait=True)
+            self._io.shutdown()
         if self.reader is not None:
             self.reader.close()
 
@@ -225,6 +226,12 @@ class FlashRuntime(Runtime):
             for buffer in range(2)
         }
         """Finished reads of nothing, for layers whose caches hold every unit (no I/O thread hop)."""
+        self._nothing_of_kind = {
+            (kind, buffer): self._finished(self._empty_fetch(kind, buffer))
+            for kind in self.kinds
+            for buffer in range(2)
+        }
+        """The same for one kind (`submit` of no units)."""
         self._pending: Future[LayerFetch] | None = None
         self._pending_for: tuple[int, int, tuple[str, ...]] | None = None
         """(layer, buffer, kinds) of the read `_pending` is doing."""
@@ -381,7 +388,11 @@ class FlashRuntime(Runtime):
     def uncached(self, layer: int, kind: str) -> torch.Tensor:
         """Ids of `layer`'s `kind` units not in its cache, ascending."""
         self.settle(layer, kind)
-        cache = self.caches[(layer, kind)]
+        return self._uncached_now(self.caches[(layer, kind)])
+
+    def _uncached_now(self, cache: NeuronCache) -> torch.Tensor:
+        """`uncached` of a cache with no update outstanding (settled, or on the I/O thread, which runs
+        the updates queued before its task)."""
         if cache.holds_unit_prefix:
             return self.unit_ids[cache.size : cache.num_units]
         return cache.missing(self.unit_ids[: cache.num_units])
@@ -414,11 +425,16 @@ class FlashRuntime(Runtime):
         return pending
 
     def _submit_layer(self, layer: int, buffer: int, kinds: tuple[str, ...]) -> Future[LayerFetch]:
-        caches = [self.caches[(layer, kind)] for kind in kinds]
-        if all(cache.size == cache.num_units for cache in caches):
+        for kind in kinds:
+            self.settle(layer, kind)
+        caches = {kind: self.caches[(layer, kind)] for kind in kinds}
+        if all(cache.size == cache.num_units for cache in caches.values()):
             return self._nothing[(buffer, kinds)]
-        plan = {kind: self.uncached(layer, kind) for kind in kinds}
-        return self._io.submit(self._read_kinds, layer, plan, buffer)
+        return self._io.submit(self._read_uncached, layer, caches, buffer)
+
+    def _read_uncached(self, layer: int, caches: dict[str, NeuronCache], buffer: int) -> LayerFetch:
+        """`_read_kinds` of every uncached unit, found here on the I/O thread (off the decode's path)."""
+        return self._read_kinds(layer, {kind: self._uncached_now(c) for kind, c in caches.items()}, buffer)
 
     def _empty_fetch(self, kind: str, buffer: int) -> Fetch:
         return Fetch(self.unit_ids[:0], self.staging[kind][buffer], 0, 0, 0.0)
@@ -436,7 +452,7 @@ class FlashRuntime(Runtime):
         """`read` on the I/O thread, or, with nothing to read, a finished one without the thread hop."""
         if ids.numel():
             return self._io.submit(self.read, layer, kind, ids, buffer)
-        return self._finished(self.read(layer, kind, ids, buffer))
+        return self._nothing_of_kind[(kind, buffer)]
 
     def guess(self, layer: int, kind: str, ids: torch.Tensor, buffer: int) -> None:
         """Start reading units `ids` of `layer`'s `kind`, which its forward will probably select, into
