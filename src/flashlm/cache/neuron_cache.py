@@ -172,19 +172,27 @@ class NeuronCache(nn.Module):
     def find_misses(self, ids: torch.Tensor) -> torch.Tensor:
         """The units of the sorted unique `ids` that are not resident (in order); counts hits and misses."""
         miss_ids = self.missing(ids)
-        self.count(ids.numel() - miss_ids.numel(), miss_ids.numel())
+        misses = miss_ids.shape[0]
+        self.counters.hits += ids.shape[0] - misses
+        self.counters.misses += misses
         return miss_ids
 
     def missing(self, ids: torch.Tensor) -> torch.Tensor:
         """The units of `ids` that are not resident, in the order of `ids` (not counted). On the CPU,
         one call to C (`_lookup.c`) where a compiler is found."""
-        native = _native_missing()
-        on_cpu = ids.device.type == "cpu" and self.slot_of.device.type == "cpu"
-        if native is None or not on_cpu or ids.dtype != INDEX_DTYPE or ids.dim() != 1:
-            return ids[self.slot_of[ids] < 0]
-        ids = ids.contiguous()
-        out = torch.empty_like(ids)
-        count = native(self.slot_of.data_ptr(), self.num_units, ids.data_ptr(), ids.numel(), out.data_ptr())
+        native, slot_of = _native_missing(), self.slot_of
+        if (
+            native is None
+            or not (ids.is_cpu and slot_of.is_cpu)
+            or ids.dtype != INDEX_DTYPE
+            or ids.dim() != 1
+        ):
+            return ids[slot_of[ids] < 0]
+        if not ids.is_contiguous():
+            ids = ids.contiguous()
+        n = ids.shape[0]
+        out = torch.empty(n, dtype=INDEX_DTYPE)
+        count = native(slot_of.data_ptr(), self.num_units, ids.data_ptr(), n, out.data_ptr())
         if count < 0:
             raise IndexError(f"unit ids must lie in [0, {self.num_units}), got {ids.min()}..{ids.max()}.")
         return out[:count]
