@@ -199,3 +199,29 @@ def test_indexed_rows_are_read_where_they_lie(name) -> None:
     product = ColumnProduct(decode=name, prefill=name, timings_ms={})
     product(out, coef, rows, index)
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-1)
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["native", "torch", "torch-fp32"])
+@pytest.mark.parametrize("indexed_rows", [False, True])
+def test_coefficients_are_read_by_unit_id(name, indexed_rows) -> None:
+    """`coef[:, coef_ids] @ rows[index]`: a layer's coefficients by unit id, never gathered by the kernel."""
+    g = torch.Generator().manual_seed(11)
+    out, coef, rows = operands(2, 300, 64, torch.bfloat16)
+    units = torch.nonzero(torch.rand(300, generator=g) < 0.3).squeeze(1)  # the units this part holds
+    coef[:, units[::4]] = 0  # some of them kept by no token: skipped
+    index = units if indexed_rows else None
+    part = rows if indexed_rows else rows[units].contiguous()
+    expected = reference(out, coef[:, units], rows[units])
+    product = ColumnProduct(decode=name, prefill=name, timings_ms={})
+    product(out, coef, part, index, units)
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-1)
+
+
+@needs_native
+def test_coefficient_ids_outside_the_coefficients_are_refused() -> None:
+    out, coef, rows = operands(1, 8, 16, torch.float32)
+    with pytest.raises(IndexError, match="coef_ids"):
+        native(out, coef, rows, coef_ids=torch.tensor([0, 1, 2, 3, 4, 5, 6, 8]))
+    with pytest.raises(ValueError, match="shapes disagree"):
+        native(out, coef, rows, coef_ids=torch.tensor([0, 1]))

@@ -454,16 +454,16 @@ class SparseMLP(Selection, FlashMLP):
 
     # ---- shared arithmetic --------------------------------------------------------------------
 
-    def _columns(self, coef: torch.Tensor, parts: Parts, columns: slice = slice(None)) -> torch.Tensor:
-        """`coef @ W` where unit i is row i of W (`columns` of each row): an input column of the
-        projection, summed over the kept units in fp32 (zero coefficients cost nothing)."""
-        width = len(range(*columns.indices(self._row_width(parts))))
+    def _columns(self, coef: torch.Tensor, parts: Parts) -> torch.Tensor:
+        """`coef @ W` where unit i is row i of W: an input column of the projection, summed over the kept
+        units in fp32 (zero coefficients cost nothing; `coef` is indexed by unit id, never gathered)."""
+        width = self._row_width(parts)
         product = self._product(width)
         coef = coef.float()
         out = coef.new_zeros(coef.shape[0], width)
         in_unit_order = isinstance(parts, _Parts) and parts.whole is not None  # one part: every unit
         for rows, ids, index in parts:
-            product(out, coef if in_unit_order else coef[:, ids], rows[:, columns], index)
+            product(out, coef, rows, index, None if in_unit_order else ids)
         return out
 
     @staticmethod

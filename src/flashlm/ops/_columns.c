@@ -3,10 +3,12 @@
  *
  * Built on first use by flashlm._native; flashlm.ops.columns is the caller, with torch fallbacks.
  *
- *   out[t * ldo + j] += sum_k coef[t * ldc + k] * rows[r(k) * ldr + j]    t < T, k < n, j < width
+ *   out[t * ldo + j] += sum_k coef[t * ldc + c(k)] * rows[r(k) * ldr + j]    t < T, k < n, j < width
  *
  * where r(k) = index[k], or k without an index (PowerInfer's gather-GEMV: the kept units' rows are
- * wherever they lie, e.g. a staging matrix read in place, and are never copied together).
+ * wherever they lie, e.g. a staging matrix read in place, and are never copied together), and c(k) =
+ * cidx[k], or k without one (the coefficients of a layer's units, by unit id, are never gathered
+ * either: row k is unit cidx[k]).
  * coef and out are float32; rows are bf16, fp16 or fp32, converted as they are read. Columns are
  * split between the threads of the OpenMP team (torch's own: this library links libgomp.so.1, which the
  * dynamic linker resolves to the copy torch has loaded, so no second pool spins against torch's), then
@@ -28,12 +30,13 @@
 
 
 /* Up to GROUP rows with a nonzero coefficient, starting the scan at *k; returns how many. */
-static inline int next_group(const float *coef, int64_t ldc, int64_t T, int64_t n, int64_t *k,
-                             int64_t group[GROUP]) {
+static inline int next_group(const float *coef, int64_t ldc, const int64_t *cidx, int64_t T, int64_t n,
+                             int64_t *k, int64_t group[GROUP]) {
     int g = 0;
     for (; *k < n && g < GROUP; (*k)++) {
+        const int64_t c = cidx ? cidx[*k] : *k;
         for (int64_t t = 0; t < T; t++) {
-            if (coef[t * ldc + *k] != 0.0f) {
+            if (coef[t * ldc + c] != 0.0f) {
                 group[g++] = *k;
                 break;
             }
@@ -43,14 +46,14 @@ static inline int next_group(const float *coef, int64_t ldc, int64_t T, int64_t 
 }
 
 #define DEFINE_COLUMNS(NAME, ELEM, CONVERT)                                                           \
-    static void NAME##_range(const float *coef, int64_t ldc, int64_t T, int64_t n, const ELEM *rows,  \
-                             int64_t ldr, const int64_t *index, float *out, int64_t ldo, int64_t j0,  \
-                             int64_t j1) {                                                           \
+    static void NAME##_range(const float *coef, int64_t ldc, const int64_t *cidx, int64_t T, int64_t n, \
+                             const ELEM *rows, int64_t ldr, const int64_t *index, float *out,         \
+                             int64_t ldo, int64_t j0, int64_t j1) {                                   \
         for (int64_t b0 = j0; b0 < j1; b0 += BLOCK) {                                                \
             const int64_t len = (j1 - b0) < BLOCK ? (j1 - b0) : BLOCK;                               \
             int64_t group[GROUP], k = 0;                                                              \
             int g;                                                                                    \
-            while ((g = next_group(coef, ldc, T, n, &k, group)) > 0) {                                \
+            while ((g = next_group(coef, ldc, cidx, T, n, &k, group)) > 0) {                          \
                 const ELEM *r[GROUP];                                                                 \
                 for (int q = 0; q < GROUP; q++) {                                                     \
                     const int64_t k = group[q < g ? q : 0];                                           \
@@ -58,7 +61,8 @@ static inline int next_group(const float *coef, int64_t ldc, int64_t T, int64_t 
                 }                                                                                     \
                 for (int64_t t = 0; t < T; t++) {                                                     \
                     float c[GROUP];                                                                   \
-                    for (int q = 0; q < GROUP; q++) c[q] = q < g ? coef[t * ldc + group[q]] : 0.0f;   \
+                    for (int q = 0; q < GROUP; q++)                                                   \
+                        c[q] = q < g ? coef[t * ldc + (cidx ? cidx[group[q]] : group[q])] : 0.0f;     \
                     float *o = out + t * ldo + b0;                                                    \
                     for (int64_t j = 0; j < len; j++)                                                 \
                         o[j] += c[0] * CONVERT(r[0][j]) + c[1] * CONVERT(r[1][j]) +                   \
@@ -68,15 +72,20 @@ static inline int next_group(const float *coef, int64_t ldc, int64_t T, int64_t 
         }                                                                                             \
     }
 
+/* Returns 0, or -1 (having computed nothing) if a coefficient index lies outside 0 .. ncoef-1. */
 #define DEFINE_PARALLEL(NAME, ELEM)                                                                   \
-    void NAME(const float *coef, int64_t ldc, int64_t T, int64_t n, const ELEM *rows, int64_t ldr,    \
-              const int64_t *index, float *out, int64_t ldo, int64_t width) {                         \
+    int64_t NAME(const float *coef, int64_t ldc, const int64_t *cidx, int64_t ncoef, int64_t T,       \
+                 int64_t n, const ELEM *rows, int64_t ldr, const int64_t *index, float *out,          \
+                 int64_t ldo, int64_t width) {                                                        \
+        for (int64_t k = 0; cidx && k < n; k++)                                                       \
+            if (cidx[k] < 0 || cidx[k] >= ncoef) return -1;                                           \
         _Pragma("omp parallel if (n * width >= PARALLEL_MIN)") {                                      \
             const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();                    \
             const int64_t j0 = me == 0 ? 0 : width * me / team / ALIGN * ALIGN;                        \
             const int64_t j1 = me == team - 1 ? width : width * (me + 1) / team / ALIGN * ALIGN;       \
-            if (j1 > j0) NAME##_range(coef, ldc, T, n, rows, ldr, index, out, ldo, j0, j1);            \
+            if (j1 > j0) NAME##_range(coef, ldc, cidx, T, n, rows, ldr, index, out, ldo, j0, j1);      \
         }                                                                                             \
+        return 0;                                                                                     \
     }
 
 DEFINE_COLUMNS(flashlm_columns_bf16, uint16_t, bf16_to_float)

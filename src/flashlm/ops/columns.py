@@ -55,7 +55,11 @@ def _native_functions() -> dict[torch.dtype, Callable] | None:
     library = load_library(SOURCE, "columns", openmp=True)
     if library is None:
         return None
-    functions: dict = typed_functions(library, "flashlm_columns", [_P, _I, _I, _I, _P, _I, _P, _P, _I, _I])
+    functions: dict = typed_functions(
+        library, "flashlm_columns", [_P, _I, _P, _I, _I, _I, _P, _I, _P, _P, _I, _I]
+    )
+    for function in functions.values():
+        function.restype = _I
     library.flashlm_flush.argtypes = [_P, _I]
     library.flashlm_flush.restype = None
     functions["flush"] = library.flashlm_flush
@@ -69,35 +73,50 @@ def _flush(tensor: torch.Tensor) -> None:
         functions["flush"](tensor.data_ptr(), tensor.numel() * tensor.element_size())
 
 
-def _check(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor, index: torch.Tensor | None) -> None:
+def _check(
+    out: torch.Tensor,
+    coef: torch.Tensor,
+    rows: torch.Tensor,
+    index: torch.Tensor | None,
+    coef_ids: torch.Tensor | None,
+) -> None:
     if out.dtype != torch.float32 or coef.dtype != torch.float32:
         raise ValueError(f"out and coef must be float32, got {out.dtype} and {coef.dtype}.")
     if rows.dim() != 2 or rows.stride(1) != 1 or coef.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError("rows, coef and out must be 2-D with unit column stride.")
-    if index is not None and (index.dtype != torch.int64 or index.dim() != 1 or not index.is_contiguous()):
-        raise ValueError("index must be a contiguous 1-D int64 tensor.")
-    used = rows.shape[0] if index is None else index.numel()
-    if coef.shape[1] != used or out.shape != (coef.shape[0], rows.shape[1]):
+    for name, ids in (("index", index), ("coef_ids", coef_ids)):
+        if ids is not None and (ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous 1-D int64 tensor.")
+    used = rows.shape[0] if index is None else index.shape[0]
+    coefficients = coef.shape[1] if coef_ids is None else coef_ids.shape[0]
+    if coefficients != used or out.shape != (coef.shape[0], rows.shape[1]):
         raise ValueError(
             f"out {tuple(out.shape)} += coef {tuple(coef.shape)} @ rows {tuple(rows.shape)}: shapes disagree."
         )
 
 
 def native(
-    out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor, index: torch.Tensor | None = None
+    out: torch.Tensor,
+    coef: torch.Tensor,
+    rows: torch.Tensor,
+    index: torch.Tensor | None = None,
+    coef_ids: torch.Tensor | None = None,
 ) -> None:
-    """`out += coef @ rows` (`coef @ rows[index]` with an index, without gathering) with the C kernel
-    (see module docstring), on CPU tensors."""
+    """`out += coef @ rows` with the C kernel (see module docstring), on CPU tensors; `rows[index]`
+    with an index and `coef[:, coef_ids]` with coefficient ids, neither gathered."""
     functions = _native_functions()
     if functions is None:
         raise RuntimeError("The native column kernel is not available here (no C compiler, or disabled).")
-    _check(out, coef, rows, index)
-    tokens, n = coef.shape
+    _check(out, coef, rows, index, coef_ids)
+    tokens = coef.shape[0]
+    n = rows.shape[0] if index is None else index.shape[0]
     if n == 0 or tokens == 0:
         return
-    functions[rows.dtype](
+    status = functions[rows.dtype](
         coef.data_ptr(),
         coef.stride(0),
+        None if coef_ids is None else coef_ids.data_ptr(),
+        coef.shape[1],
         tokens,
         n,
         rows.data_ptr(),
@@ -107,6 +126,8 @@ def native(
         out.stride(0),
         rows.shape[1],
     )
+    if status:
+        raise IndexError(f"coef_ids must lie in [0, {coef.shape[1]}).")
 
 
 def torch_mm(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
@@ -135,18 +156,24 @@ class ColumnProduct:
     timings_ms: dict[str, dict[str, float]]
 
     def __call__(
-        self, out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor, index: torch.Tensor | None = None
+        self,
+        out: torch.Tensor,
+        coef: torch.Tensor,
+        rows: torch.Tensor,
+        index: torch.Tensor | None = None,
+        coef_ids: torch.Tensor | None = None,
     ) -> None:
-        """`out += coef @ rows`, or `coef @ rows[index]` (the native kernel reads the indexed rows where
-        they lie; torch's paths gather them first)."""
-        if coef.shape[1] == 0:
+        """`out += coef @ rows`, or `coef[:, coef_ids] @ rows[index]` (the native kernel reads the
+        indexed rows and coefficients where they lie; torch's paths gather them first)."""
+        if (coef.shape[1] if coef_ids is None else coef_ids.shape[0]) == 0:
             return
         name = self.decode if coef.shape[0] <= DECODE_MAX_TOKENS else self.prefill
         if rows.device.type != "cpu" and name == "native":
             name = "torch"
         if name == "native":
-            native(out, coef, rows, index)
+            native(out, coef, rows, index, coef_ids)
             return
+        coef = coef if coef_ids is None else coef[:, coef_ids]
         _run(name, out, coef, rows if index is None else rows.index_select(0, index))
 
     @classmethod
