@@ -372,7 +372,8 @@ class FlashRuntime(Runtime):
     def update_later(self, layer: int, kinds: tuple[str, ...], update: Callable[[], None]) -> None:
         """Run `update` of `layer`'s caches of `kinds` (admission and eviction: row copies that grow with
         the misses) on the I/O thread, off the decode's critical path: one task for a layer's caches,
-        since each hand-over to that thread costs the decode thread ~20 us. The queue is first in,
+        since each hand-over to that thread (a future, a queue put, a wake-up) costs the decode thread
+        microseconds and a GIL handover. The queue is first in,
         first out, so it runs before any later read that could reuse the staging rows it copies from;
         `settle` waits for it before any of those caches is read again."""
         done = self._io.submit(update)
