@@ -409,7 +409,8 @@ class FlashRuntime(Runtime):
         kinds = self.read_ahead if kinds is None else kinds
         pending, key, self._pending = self._pending, self._pending_for, None
         if pending is not None and key[0] == layer:
-            buffer, missing = key[1], tuple(kind for kind in kinds if kind not in key[2])
+            buffer = key[1]
+            missing = () if kinds == key[2] else tuple(kind for kind in kinds if kind not in key[2])
             if missing:
                 plan = {kind: self.uncached(layer, kind) for kind in missing}
                 done = pending
@@ -426,9 +427,10 @@ class FlashRuntime(Runtime):
         return pending
 
     def _submit_layer(self, layer: int, buffer: int, kinds: tuple[str, ...]) -> Future[LayerFetch]:
+        caches = {}
         for kind in kinds:
             self.settle(layer, kind)
-        caches = {kind: self.caches[(layer, kind)] for kind in kinds}
+            caches[kind] = self.caches[(layer, kind)]
         if all(cache.size == cache.num_units for cache in caches.values()):
             return self._nothing[(buffer, kinds)]
         return self._io.submit(self._read_uncached, layer, caches, buffer)
