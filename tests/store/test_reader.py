@@ -26,6 +26,9 @@ from flashlm.store.reader import (
 )
 from flashlm.store.rowfile import RowFile
 
+NO_NATIVE_READER = "the C reader needs a C compiler"
+needs_native_reader = pytest.mark.skipif(reader_mod.native_reader() is None, reason=NO_NATIVE_READER)
+
 
 def make_file(
     directory: Path,
@@ -342,7 +345,7 @@ def in_place_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     if request.param == "python":
         monkeypatch.setattr(reader_mod, "native_reader", lambda: None)
     elif reader_mod.native_reader() is None:
-        pytest.skip("the C reader needs a C compiler")
+        pytest.skip(NO_NATIVE_READER)
     return request.param
 
 
@@ -359,11 +362,10 @@ def _native_plan(ids: np.ndarray, f: RowFile, alignment: int, gap: int, chunk: i
     return out[:count]
 
 
+@needs_native_reader
 @pytest.mark.parametrize("seed", range(40))
 def test_native_plan_is_the_python_plan(seed: int) -> None:
     """The C planner makes exactly the requests `plan_reads` + `split_chunks` make for `read_in_place`."""
-    if reader_mod.native_reader() is None:
-        pytest.skip("the C reader needs a C compiler")
     rng = np.random.default_rng(seed)
     rows, width = int(rng.integers(1, 400)), int(rng.choice([64, 333, 576, 1536, 2048, 3333]))
     f = RowFile(Path("unused"), ALIGNMENT, rows, width, torch.bfloat16)
@@ -381,11 +383,10 @@ def test_native_plan_is_the_python_plan(seed: int) -> None:
     assert np.array_equal(_native_plan(ids, f, alignment, gap, chunk), np.stack([offsets, length, needed], 1))
 
 
+@needs_native_reader
 @pytest.mark.parametrize("direct", [True, False])
 def test_native_and_python_reads_in_place_agree(direct_dir: Path, direct: bool, monkeypatch) -> None:
     """The same rows land, the same bytes and requests are counted, whichever path reads."""
-    if reader_mod.native_reader() is None:
-        pytest.skip("the C reader needs a C compiler")
     f, data = make_file(direct_dir, 500, 1536)
     results = {}
     for path in ("native", "python"):

@@ -172,9 +172,7 @@ class NeuronCache(nn.Module):
     def find_misses(self, ids: torch.Tensor) -> torch.Tensor:
         """The units of the sorted unique `ids` that are not resident (in order); counts hits and misses."""
         miss_ids = self.missing(ids)
-        misses = miss_ids.shape[0]
-        self.counters.hits += ids.shape[0] - misses
-        self.counters.misses += misses
+        self.count(ids.shape[0] - miss_ids.shape[0], miss_ids.shape[0])
         return miss_ids
 
     def missing(self, ids: torch.Tensor) -> torch.Tensor:
