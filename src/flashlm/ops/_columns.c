@@ -23,7 +23,7 @@
 #include <string.h>
 
 #define ALIGN 16          /* column ranges start at multiples of this (an AVX-512 vector of fp32) */
-#define PARALLEL_MIN (1 << 20) /* below this many row elements one thread works alone */
+#define PARALLEL_MIN (1 << 17) /* below this many row elements one thread works alone */
 
 #define BLOCK 1024
 #define GROUP 4
