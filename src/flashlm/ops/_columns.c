@@ -12,9 +12,10 @@
  * coef and out are float32; rows are bf16, fp16 or fp32, converted as they are read. Columns are
  * split between the threads of the OpenMP team (torch's own: this library links libgomp.so.1, which the
  * dynamic linker resolves to the copy torch has loaded, so no second pool spins against torch's), then
- * processed in blocks that keep the block of `out` in L1; rows are taken four at a time so each load
- * and store of `out` carries four multiply-adds. A row whose coefficients are all zero is skipped, so
- * a masked product costs what the kept units weigh. Each output's summation order is fixed (rows in
+ * processed in blocks that keep the block of `out` in L1; rows are taken eight at a time so each load
+ * and store of `out` carries eight multiply-adds, summed as a pairwise tree (short dependency chains).
+ * A row whose coefficients are all zero is skipped, so a masked product costs what the kept units
+ * weigh. Each output's summation order is fixed (rows in
  * order), whatever the thread count, so results are deterministic.
  */
 #include <omp.h>
@@ -26,7 +27,7 @@
 #define PARALLEL_MIN (1 << 17) /* below this many row elements one thread works alone */
 
 #define BLOCK 1024
-#define GROUP 4
+#define GROUP 8
 
 
 /* Up to GROUP rows with a nonzero coefficient, starting the scan at *k; returns how many. */
@@ -64,9 +65,12 @@ static inline int next_group(const float *coef, int64_t ldc, const int64_t *cidx
                     for (int q = 0; q < GROUP; q++)                                                   \
                         c[q] = q < g ? coef[t * ldc + (cidx ? cidx[group[q]] : group[q])] : 0.0f;     \
                     float *o = out + t * ldo + b0;                                                    \
-                    for (int64_t j = 0; j < len; j++)                                                 \
-                        o[j] += c[0] * CONVERT(r[0][j]) + c[1] * CONVERT(r[1][j]) +                   \
-                                c[2] * CONVERT(r[2][j]) + c[3] * CONVERT(r[3][j]);                    \
+                    for (int64_t j = 0; j < len; j++) {                                               \
+                        o[j] += ((c[0] * CONVERT(r[0][j]) + c[1] * CONVERT(r[1][j])) +                \
+                                 (c[2] * CONVERT(r[2][j]) + c[3] * CONVERT(r[3][j]))) +               \
+                                ((c[4] * CONVERT(r[4][j]) + c[5] * CONVERT(r[5][j])) +                \
+                                 (c[6] * CONVERT(r[6][j]) + c[7] * CONVERT(r[7][j])));                \
+                    }                                                                                 \
                 }                                                                                     \
             }                                                                                         \
         }                                                                                             \

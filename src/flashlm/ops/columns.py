@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import hashlib
 import os
 import platform
 import time
@@ -238,9 +239,15 @@ def _machine_key(dtype: torch.dtype, width: int, threads: int, density: float) -
     except OSError:
         pass
     isa = (os.environ.get(name, "") for name in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"))
-    native = "native" if _native_functions() is not None else "no-native"
+    # a changed kernel is measured again
+    native = f"native-{_source_digest()}" if _native_functions() is not None else "no-native"
     machine = [torch.__version__, torch.backends.cpu.get_cpu_capability(), *isa, cpu, native]
     return "|".join([*machine, str(dtype), str(width), str(threads), f"{density:.2f}"])
+
+
+@functools.cache
+def _source_digest() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
 
 
 @functools.cache
