@@ -56,16 +56,12 @@ def test_density_one_matches_dense(arch, cached_fraction, make_tiny_checkpoint, 
     path = make_tiny_checkpoint(arch, dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(path)
     patched = load_patched(path, tmp_path / "store", cached_fraction)
-    caches = [cache for module in streaming_mlps(patched) for cache in module.caches()]
-    if cached_fraction == 0:
-        assert all(cache.capacity == 0 for cache in caches)
-    if cached_fraction == 1:
-        assert all(cache.capacity == cache.num_units for cache in caches)
-    # Whole matrices, but for what is left after them: at most one prefix per unit width.
-    partial = [cache for cache in caches if 0 < cache.capacity < cache.num_units]
-    assert len(partial) <= len({cache.rows.shape[1] for cache in caches})
-    if 0 < cached_fraction < 1:
-        assert {cache.capacity == cache.num_units for cache in caches} == {True, False}
+    for module in streaming_mlps(patched):
+        capacities = [cache.capacity for cache in module.caches()]
+        if cached_fraction == 0:
+            assert capacities == [0] * len(capacities)
+        if cached_fraction == 1:
+            assert capacities == [cache.num_units for cache in module.caches()]
     assert len(streaming_mlps(patched)) == reference.config.get_text_config().num_hidden_layers
     ids = prompt_ids(reference.config.get_text_config().vocab_size)
     with torch.no_grad():

@@ -129,8 +129,7 @@ class FlashConfig(QuantizationConfigMixin):
         cache_split: how the budget's cache bytes are shared between unit kinds: `"read-cost"`
             (default) fills first the caches whose misses cost the disk most bytes per unit byte
             (small units under-fill a 4 KiB page), `"size"` shares in proportion to each cache's
-            full size. Dense streaming, which needs every unit every step, ignores it: its caches
-            hold whole matrices or nothing (one takes the rest), spread evenly over the layers.
+            full size.
         hot_share: share of the cache's bytes pinned to the units the method needs most often,
             PowerInfer's hot set (its §6): read at load and never evicted, while the rest of each cache
             follows `policy`. The placement solver (`flashlm.cache.placement`) picks them across layers

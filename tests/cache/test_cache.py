@@ -406,11 +406,8 @@ def build_caches(plan: BudgetPlan, widths, num_units, dtype, policy: str) -> lis
     overhead=st.integers(0, 5000),
     extra=st.integers(0, 200_000),
     costs=st.lists(st.sampled_from([1.0, 1.33, 3.6]), min_size=6, max_size=6),
-    whole=st.booleans(),
 )
-def test_budget_is_never_exceeded(
-    layers, dtype, policy: str, overhead: int, extra: int, costs, whole
-) -> None:
+def test_budget_is_never_exceeded(layers, dtype, policy: str, overhead: int, extra: int, costs) -> None:
     num_units = [n for n, _ in layers]
     widths = [w for _, w in layers]
     unit_bytes = [w * torch.empty((), dtype=dtype).element_size() for w in widths]
@@ -423,8 +420,7 @@ def test_budget_is_never_exceeded(
         num_units=num_units,
         overhead_bytes=overhead,
         policy=policy,
-        read_cost=None if whole else costs[: len(layers)],
-        whole_caches=whole,
+        read_cost=costs[: len(layers)],
     )
     caches = build_caches(plan, widths, num_units, dtype, policy)
 
@@ -449,40 +445,6 @@ def test_budget_split_is_proportional_to_layer_size() -> None:
     assert small == large == 100  # each layer caches the same fraction of itself: 10%
     capped = split_budget(10**9, unit_bytes=[8, 8], num_units=[5, 7], overhead_bytes=100)
     assert capped.capacities == [5, 7]
-
-
-def test_whole_caches_are_spread_evenly() -> None:
-    """Dense streaming's plan: whole matrices, every stretch of the list caching about the budget's
-    share of itself, and what is left in one prefix."""
-    unit_bytes, num_units = [64, 64, 160] * 8, [100] * 24  # 8 layers of gate, up, down
-    fixed = sum(NeuronCache.fixed_bytes(n, "lru") for n in num_units)
-    slots = [NeuronCache.slot_bytes(u) for u in unit_bytes]
-    sizes = [n * s for n, s in zip(num_units, slots, strict=True)]
-    plan = split_budget(
-        fixed + sum(sizes) // 2 + 10 * slots[0],
-        unit_bytes=unit_bytes,
-        num_units=num_units,
-        overhead_bytes=0,
-        whole_caches=True,
-    )
-    partial = [c for c in plan.capacities if 0 < c < 100]
-    assert len(partial) == 1
-    cached = [c * s for c, s in zip(plan.capacities, slots, strict=True)]
-    for first in range(0, 24, 6):  # every two layers cache a third to two thirds of their bytes
-        assert (
-            sum(sizes[first : first + 6]) / 3
-            <= sum(cached[first : first + 6])
-            <= 2 * sum(sizes[first : first + 6]) / 3
-        )
-    with pytest.raises(ConfigError, match="read_cost"):
-        split_budget(
-            10**6,
-            unit_bytes=[8, 8],
-            num_units=[5, 5],
-            overhead_bytes=0,
-            read_cost=[1.0, 2.0],
-            whole_caches=True,
-        )
 
 
 def test_budget_fills_the_costliest_misses_first() -> None:

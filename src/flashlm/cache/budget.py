@@ -11,8 +11,7 @@ Everything flashlm allocates for streaming is paid from the budget, in this orde
    cached byte of a SmolLM2 down column (1152 bytes, read as a 4 KiB page) saves about three
    times the disk traffic of a cached byte of a 6 KiB input-column bundle. Caches of equal cost
    share in proportion to their full size (all their units' slots), so every layer can cache the
-   same fraction of itself. With `whole_caches` (dense streaming), caches are instead filled whole,
-   spread evenly over the list (see `_fill_whole`).
+   same fraction of itself.
 
 The byte costs of 2 and 3 come from `NeuronCache.fixed_bytes` / `NeuronCache.slot_bytes`, the same
 place that allocates them, so the plan and the measured `nbytes` agree to the byte.
@@ -52,15 +51,11 @@ def split_budget(
     policy: str = "lru",
     cache_units: bool = True,
     read_cost: Sequence[float] | None = None,
-    whole_caches: bool = False,
 ) -> BudgetPlan:
     """Capacities for one cache per entry of `unit_bytes` / `num_units` (bytes per unit row, units).
 
     `cache_units=False` plans no slots at all (the "no cache" baseline: every unit read every time).
     `read_cost` (one per entry, default all equal) orders the filling: see the module docstring.
-    `whole_caches` gives caches all of their units or none, and what is left to prefixes of the
-    others: for a method that needs every unit every step, where which units are cached changes no
-    byte read, but a cache holding part of a matrix splits its product in two.
 
     Raises `BudgetTooSmallError`, naming the minimum, when the budget cannot hold the working
     memory and the caches' indices; `ConfigError` for inconsistent arguments or an unknown policy.
@@ -70,8 +65,6 @@ def split_budget(
     read_cost = [1.0] * len(unit_bytes) if read_cost is None else list(read_cost)
     if len(read_cost) != len(unit_bytes) or any(c <= 0 for c in read_cost):
         raise ConfigError("read_cost needs one positive entry per cache.")
-    if whole_caches and len(set(read_cost)) > 1:
-        raise ConfigError("whole_caches fills caches in list order: it takes no read_cost.")
     if any(u <= 0 for u in unit_bytes) or any(n < 0 for n in num_units):
         raise ConfigError("unit_bytes must be positive and num_units non-negative.")
     if budget_bytes < 0 or overhead_bytes < 0:
@@ -94,8 +87,7 @@ def split_budget(
     spare = budget_bytes - minimum
     for cost in sorted({round(c, 6) for c in read_cost}, reverse=True) if cache_units else ():
         group = [i for i, c in enumerate(read_cost) if round(c, 6) == cost]
-        fill = _fill_whole if whole_caches else _fill
-        filled = fill(spare, [slot_bytes[i] for i in group], [num_units[i] for i in group])
+        filled = _fill(spare, [slot_bytes[i] for i in group], [num_units[i] for i in group])
         for i, capacity in zip(group, filled, strict=True):
             capacities[i] = capacity
             spare -= capacity * slot_bytes[i]
@@ -145,29 +137,4 @@ def _fill(spare: int, slot_bytes: Sequence[int], num_units: Sequence[int]) -> li
         add = min(num_units[i] - capacities[i], budget // slot_bytes[i])
         capacities[i] += add
         budget -= add * slot_bytes[i]
-    return capacities
-
-
-def _fill_whole(spare: int, slot_bytes: Sequence[int], num_units: Sequence[int]) -> list[int]:
-    """Buy whole caches with `spare` bytes, spread evenly over the list, then the rest of one more.
-
-    Walking the list in order, a cache is bought whole when that keeps the bytes bought so far
-    nearest to `spare`'s share of the bytes walked so far, so consecutive layers cache about the same
-    fraction of themselves (the reads a layer ahead then overlap every layer's compute alike). What
-    is left buys prefixes of the caches not bought, in list order.
-    """
-    size = [n * s for n, s in zip(num_units, slot_bytes, strict=True)]
-    share = min(1.0, spare / max(sum(size), 1))
-    capacities = [0] * len(num_units)
-    walked = bought = 0
-    for i, bytes_ in enumerate(size):
-        walked += bytes_
-        if bytes_ <= spare - bought and bought + bytes_ / 2 <= share * walked:
-            capacities[i] = num_units[i]
-            bought += bytes_
-    left = spare - bought
-    for i in range(len(num_units)):
-        if capacities[i] == 0 and left >= slot_bytes[i]:
-            capacities[i] = min(num_units[i], left // slot_bytes[i])
-            left -= capacities[i] * slot_bytes[i]
     return capacities

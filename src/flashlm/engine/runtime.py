@@ -207,10 +207,9 @@ class FlashRuntime(Runtime):
             cache_units=config.policy != NO_CACHE,
             read_cost=(
                 [row_files[key].read_amplification for key in self._cache_keys]
-                if config.cache_split == "read-cost" and not dense
+                if config.cache_split == "read-cost"
                 else None
             ),
-            whole_caches=dense,
         )
         self.hot_set: Placement | None = None
         """The pinned units of every cache (`FlashConfig.hot_share`), in the order of `_cache_keys`."""

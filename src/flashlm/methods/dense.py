@@ -9,12 +9,10 @@ outputs do not depend on which other rows are computed with them.
 
 Every step needs every unit, so priorities never differ and a cache never changes once full: the
 first step fills it with units `0 .. capacity-1` in order, and from then on the misses are the rest
-of the matrix, read (usually a layer ahead) in place into the staging matrix, at their own rows.
-The budget plan (`split_budget(whole_caches=True)`) gives most caches their whole matrix or nothing,
-so most products are one call on one matrix, as in the dense model. In the one cache that holds part
-of its matrix, a decode step multiplies the cached rows and the staged rows separately; a multi-token
-step (prefill), where the kernel's blocking may depend on the matrix shape, first copies the cached
-rows into the staging matrix's head and multiplies the whole matrix at once, as the dense model does.
+of the matrix, read (usually a layer ahead) in place into the staging matrix, at their own rows. A
+decode step multiplies the cached rows and the staged rows separately; a multi-token step (prefill),
+where the kernel's blocking may depend on the matrix shape, first copies the cached rows into the
+staging matrix's head and multiplies the whole matrix at once, exactly as the dense model does.
 """
 
 from __future__ import annotations
@@ -187,9 +185,8 @@ class StreamingMLP(DenseOnly, FlashMLP):
     ) -> torch.Tensor:
         """`F.linear(x, W, bias)` for the matrix W whose rows are the cache's and the fetch's units."""
         cached = cache.size
-        head = cache.rows if cached == cache.rows.shape[0] else cache.rows[:cached]
         if fetch.ids.numel() == 0:  # all resident (in unit order): the matrix is the cache's
-            return F.linear(x, head, bias)
+            return F.linear(x, cache.rows[:cached], bias)
         if not cache.holds_unit_prefix or fetch.ids.numel() != cache.num_units - cached:
             raise RuntimeError(
                 f"flashlm internal error: layer {self.layer}'s dense cache does not hold its first "
@@ -204,6 +201,7 @@ class StreamingMLP(DenseOnly, FlashMLP):
             return F.linear(x, matrix, bias)
         # One token: the cached rows' outputs, then the read rows' (a row's output does not depend on
         # the rows computed beside it, so this equals the whole matrix's product).
+        head = cache.rows if cached == cache.rows.shape[0] else cache.rows[:cached]
         head_bias, tail_bias = (None, None) if bias is None else (bias[:cached], bias[cached:])
         return torch.cat((F.linear(x, head, head_bias), F.linear(x, matrix[cached:], tail_bias)), 1)
 
