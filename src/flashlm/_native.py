@@ -69,8 +69,7 @@ def load_library(
         logger.warning("flashlm: no C compiler found; %s runs as torch ops (slower).", name)
         return None
     flags = ("-O3", *target_flags(), "-shared", "-fPIC", *(("-fopenmp",) if openmp else ()))
-    headers = b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))
-    key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode() + _cpu_signature().encode())
+    key = hashlib.sha256((source_digest(source) + " ".join(flags) + _cpu_signature()).encode())
     path = cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
     if not path.exists():
         try:
@@ -80,6 +79,13 @@ def load_library(
             logger.warning("flashlm: could not build %s (%s); using torch ops (slower).", name, detail)
             return None
     return (ctypes.PyDLL if hold_gil else ctypes.CDLL)(str(path))
+
+
+@functools.cache
+def source_digest(source: Path) -> str:
+    """A digest of `source` and the headers beside it: what a kernel built from them computes."""
+    headers = b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))
+    return hashlib.sha256(source.read_bytes() + headers).hexdigest()
 
 
 def typed_functions(

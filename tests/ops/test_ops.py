@@ -127,6 +127,12 @@ def test_measured_choice_is_remembered_per_machine(monkeypatch, tmp_path) -> Non
         with monkeypatch.context() as m:
             m.setattr(columns, "_time", lambda *args, **kwargs: pytest.fail("measured again"))
             assert ColumnProduct.measure(torch.bfloat16, 72, density=0.4) == first
+        if columns._native_functions() is not None:  # a changed kernel is measured again
+            with monkeypatch.context() as m:
+                m.setattr(columns, "source_digest", lambda source: "another kernel")
+                columns._measure.cache_clear()
+                ColumnProduct.measure(torch.bfloat16, 72, density=0.4)
+            assert len(json.loads(path.read_text())) == 2
         path.write_text("{not json")
         columns._measure.cache_clear()
         assert ColumnProduct.measure(torch.bfloat16, 72, density=0.4).decode in first.timings_ms["decode"]

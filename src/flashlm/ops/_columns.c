@@ -15,8 +15,8 @@
  * processed in blocks that keep the block of `out` in L1; rows are taken eight at a time so each load
  * and store of `out` carries eight multiply-adds, summed as a pairwise tree (short dependency chains).
  * A row whose coefficients are all zero is skipped, so a masked product costs what the kept units
- * weigh. Each output's summation order is fixed (rows in
- * order), whatever the thread count, so results are deterministic.
+ * weigh. Each output's summation order is fixed (rows in order), whatever the thread count, so results
+ * are deterministic.
  */
 #include <omp.h>
 #include "_elements.h"
@@ -27,7 +27,7 @@
 #define PARALLEL_MIN (1 << 17) /* below this many row elements one thread works alone */
 
 #define BLOCK 1024
-#define GROUP 8
+#define GROUP 8 /* the sum in DEFINE_COLUMNS is written out for eight rows */
 
 
 /* Up to GROUP rows with a nonzero coefficient, starting the scan at *k; returns how many. */

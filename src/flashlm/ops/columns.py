@@ -26,7 +26,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import hashlib
 import os
 import platform
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 
 from .._measurements import recall, remember
-from .._native import load_library, typed_functions
+from .._native import load_library, source_digest, typed_functions
 
 SOURCE = Path(__file__).with_name("_columns.c")
 PREFILL_TOKENS = 32
@@ -240,14 +239,9 @@ def _machine_key(dtype: torch.dtype, width: int, threads: int, density: float) -
         pass
     isa = (os.environ.get(name, "") for name in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"))
     # a changed kernel is measured again
-    native = f"native-{_source_digest()}" if _native_functions() is not None else "no-native"
+    native = f"native-{source_digest(SOURCE)[:12]}" if _native_functions() is not None else "no-native"
     machine = [torch.__version__, torch.backends.cpu.get_cpu_capability(), *isa, cpu, native]
     return "|".join([*machine, str(dtype), str(width), str(threads), f"{density:.2f}"])
-
-
-@functools.cache
-def _source_digest() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
 
 
 @functools.cache
