@@ -514,6 +514,20 @@ def test_missing_in_c_is_the_torch_expression(seed: int, monkeypatch: pytest.Mon
     assert torch.equal(cache.missing(asked), expected)
 
 
+def test_a_cache_of_every_unit_looks_nothing_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache holding its whole layer has no misses and only counts its hits."""
+    from flashlm.cache import neuron_cache
+
+    cache = NeuronCache(50, 50, WIDTH, torch.float32, make_policy("lfu", 50))
+    every = torch.arange(50)
+    cache.update(every, every, torch.randn(50, WIDTH), step=0, by_unit=True)
+    monkeypatch.setattr(neuron_cache, "_native_missing", lambda: pytest.fail("looked up"))
+    monkeypatch.setattr(cache, "slot_of", None)  # the torch expression would fail too
+    asked = torch.tensor([0, 7, 49])
+    assert cache.find_misses(asked).numel() == 0
+    assert (cache.hits, cache.misses) == (3, 0)
+
+
 def test_missing_rejects_ids_outside_the_layer() -> None:
     cache = NeuronCache(10, 4, WIDTH, torch.float32, make_policy("lru", 10))
     with pytest.raises(IndexError):

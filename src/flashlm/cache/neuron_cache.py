@@ -177,7 +177,9 @@ class NeuronCache(nn.Module):
 
     def missing(self, ids: torch.Tensor) -> torch.Tensor:
         """The units of `ids` that are not resident, in the order of `ids` (not counted). On the CPU,
-        one call to C (`_lookup.c`) where a compiler is found."""
+        one call to C (`_lookup.c`) where a compiler is found; none at all while every unit is resident."""
+        if self.size == self.num_units:
+            return ids[:0]
         native, slot_of = _native_missing(), self.slot_of
         if (
             native is None
