@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from flashlm.ops import columns
 
 REPEATS = 2000
+OPENMP: ctypes.CDLL | None = None
+"""torch's libgomp, once `main` found it loaded."""
 
 
 def products_us() -> dict[str, float]:
@@ -57,7 +59,7 @@ def on_background_thread(openmp_threads: int | None) -> None:
     def work() -> None:
         torch.get_num_threads()  # torch's per-thread set-up, which would reset the count below
         if openmp_threads is not None:
-            ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD).omp_set_num_threads(openmp_threads)
+            OPENMP.omp_set_num_threads(openmp_threads)
         torch.zeros(1 << 22).add_(1)
         done.set()
         threading.Event().wait()  # the thread lives on, as the I/O thread does
@@ -67,8 +69,13 @@ def on_background_thread(openmp_threads: int | None) -> None:
 
 
 def main() -> None:
+    global OPENMP
     if columns._native_functions() is None:
         raise SystemExit("The native column kernel is unavailable here (no C compiler).")
+    try:
+        OPENMP = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)
+    except OSError:
+        raise SystemExit("torch has not loaded libgomp here: this measures libgomp's teams.") from None
     capability = torch.backends.cpu.get_cpu_capability()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, capability {capability}")
     rows = [("no background team", products_us())]

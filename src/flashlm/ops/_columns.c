@@ -27,7 +27,8 @@
 #define PARALLEL_MIN (1 << 17) /* below this many row elements one thread works alone */
 
 #define BLOCK 1024
-#define GROUP 8 /* the sum in DEFINE_COLUMNS is written out for eight rows */
+#define GROUP 8
+_Static_assert(GROUP == 8, "the sum in DEFINE_COLUMNS is written out for eight rows");
 
 
 /* Up to GROUP rows with a nonzero coefficient, starting the scan at *k; returns how many. */
