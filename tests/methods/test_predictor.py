@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import flashlm
 from flashlm.arch import find_mlps, model_type_of, spec_for
-from flashlm.errors import ConfigError, StoreMismatchError
+from flashlm.errors import BudgetTooSmallError, ConfigError, StoreMismatchError
 from flashlm.methods import PredictorMLP
 from flashlm.patching import streaming_mlps
 from flashlm.predictors import LowRankPredictor, Predictors
@@ -127,3 +127,20 @@ def test_predictors_of_another_store_are_refused(tmp_path):
     )
     with pytest.raises(StoreMismatchError):
         load(path, store.path, density=0.5)
+
+
+def test_the_predictors_weights_are_paid_from_the_memory_budget(tmp_path):
+    model, path = relu_checkpoint("llama", tmp_path)
+    store = flashlm.convert(path, tmp_path / "store", progress=False)
+    predictors = exact_predictors(model)
+    predictors.save(store.path)
+    predictor_bytes = sum(p.numel() * p.element_size() for p in predictors.parameters())
+    runtime = streaming_mlps(load(path, store.path, density=0.5))[0].runtime
+    assert runtime.fitted_bytes == predictor_bytes > 0
+    assert runtime.plan.overhead_bytes == runtime._staging_bytes() + predictor_bytes
+    assert predictor_bytes < runtime.resident_bytes() <= runtime.budget_bytes
+
+    with pytest.raises(BudgetTooSmallError, match="predictors") as info:
+        config = flashlm.FlashConfig(method="predictor", store=str(store.path), memory_budget=predictor_bytes)
+        transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
+    assert info.value.minimum_bytes > predictor_bytes

@@ -2,8 +2,8 @@
 
 Everything flashlm allocates for streaming is paid from the budget, in this order:
 
-1. the fixed working memory (`overhead_bytes`: the caller's staging buffers, workspaces and I/O
-   buffers), without which no token can be computed;
+1. the fixed working memory (`overhead_bytes`: the caller's staging buffers, workspaces, I/O buffers
+   and a method's resident predictors), without which no token can be computed;
 2. each cache's per-unit indices (`slot_of` and the policy's state), whose size depends on the
    layer's unit count but not on its capacity;
 3. cache slots (a row plus its `slot_ids` entry). With `read_cost` (bytes a miss of one unit
@@ -77,7 +77,7 @@ def split_budget(
             f"memory_budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is too small: "
             f"streaming needs at least {format_bytes(minimum)} ({minimum} bytes), i.e. "
             f"{format_bytes(overhead_bytes)} of working memory (staging matrices for a layer's "
-            f"misses) plus {format_bytes(fixed_bytes)} of cache indices, before a "
+            f"misses, and a method's predictors) plus {format_bytes(fixed_bytes)} of cache indices, before a "
             f"single unit can be cached. Set a larger memory_budget.",
             minimum_bytes=minimum,
         )

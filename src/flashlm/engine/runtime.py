@@ -149,6 +149,8 @@ class FlashRuntime(Runtime):
     both read ahead; a sparse method names one per stage). Each (layer, kind) gets a cache.
     `fitted_files` are the files beside the store the method's selection depends on (its calibration,
     its predictors): a hot set's unit profile must have been measured with them as they are.
+    `fitted_bytes` is what the method keeps in memory of them (the predictors' weights): it comes out
+    of the budget first, so that methods compared at one budget hold the same memory.
 
     The budget covers everything flashlm allocates for streaming: the staging buffers (two per kind,
     one layer's units each, so the next layer's reads land while this layer computes: dense streaming
@@ -171,6 +173,7 @@ class FlashRuntime(Runtime):
         read_ahead: tuple[str, ...] | None = None,
         slot_dtypes: dict[str, torch.dtype] | None = None,
         fitted_files: tuple[str, ...] = (),
+        fitted_bytes: int = 0,
     ) -> None:
         dense = kinds is None
         kinds = dense_kinds(store.gated) if dense else kinds
@@ -196,13 +199,14 @@ class FlashRuntime(Runtime):
             for kind in kinds
         }
         self.budget_bytes = config.budget.resolve(self.num_layers * self.layer_mlp_bytes)
+        self.fitted_bytes = fitted_bytes
         self._cache_keys = list(row_files)
         unit_bytes = [row_files[key].width * self.slot_dtypes[key[1]].itemsize for key in self._cache_keys]
         self.plan: BudgetPlan = split_budget(
             self.budget_bytes,
             unit_bytes=unit_bytes,
             num_units=[row_files[key].rows for key in self._cache_keys],
-            overhead_bytes=self._staging_bytes(),
+            overhead_bytes=self._staging_bytes() + fitted_bytes,
             policy=self._policy_name,
             cache_units=config.policy != NO_CACHE,
             read_cost=(
@@ -509,12 +513,12 @@ class FlashRuntime(Runtime):
         return {"hot_set": self.hot_set_summary}
 
     def resident_bytes(self) -> int:
-        """Bytes really allocated: caches (slots, indices, policy) and staging matrices."""
+        """Bytes really allocated: caches (slots, indices, policy), staging matrices, fitted weights."""
         cache_bytes = sum(
             cache.nbytes + sum(b.numel() * b.element_size() for b in cache.policy.buffers())
             for cache in self.caches.values()
         )
-        return cache_bytes + self._staging_bytes()
+        return cache_bytes + self._staging_bytes() + self.fitted_bytes
 
     def _staging_bytes(self) -> int:
         """The staging buffers' bytes, each with the spare block `row_matrix` allocates after it."""
