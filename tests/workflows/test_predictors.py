@@ -58,12 +58,13 @@ def test_the_cli_trains_and_reports_per_layer(tiny_opt, tmp_path, capsys):
 
     store = tmp_path / "store"
     args = ["train", "predictors", "--model", str(tiny_opt), "--store", str(store)]
-    code = main([*args, "--tokens", "512", "--sequence-length", "64", "--epochs", "2"])
+    code = main([*args, "--tokens", "512", "--sequence-length", "64", "--epochs", "2", "--max-rank", "8"])
     assert code == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[:4] == ["layer", "rank", "threshold", "recall"]
     assert "% of the MLP parameters" in out
-    assert len(Predictors.load(store)) == 2
+    saved = Predictors.load(store)
+    assert saved.ranks == [8, 8]  # below the smallest listed rank (16), the cap itself
 
 
 def test_a_relufied_checkpoint_trains_with_its_thresholds_and_streams_after_patch(tmp_path):

@@ -582,7 +582,7 @@ def cmd_train_predictors(args: argparse.Namespace) -> int:
     from ..predictors import TrainOptions, format_reports
     from ..workflows.predictors import train_store_predictors
 
-    options = TrainOptions(target_recall=args.target_recall, epochs=args.epochs)
+    options = TrainOptions(target_recall=args.target_recall, epochs=args.epochs, max_rank=args.max_rank)
     predictors = train_store_predictors(
         args.model,
         corpus=args.corpus,
@@ -625,6 +625,13 @@ def _add_train_parser(sub) -> None:
     predictors.add_argument("--sequence-length", type=_int_at_least(2), default=256)
     predictors.add_argument(
         "--target-recall", type=float, default=0.95, help="per layer: the rank grows until it is reached"
+    )
+    predictors.add_argument(
+        "--max-rank",
+        type=_int_at_least(1),
+        default=None,
+        help="largest rank tried per layer (default: min(d_model, d_ff)); smaller predictors leave more of "
+        "the memory budget to the cache",
     )
     predictors.add_argument("--epochs", type=_int_at_least(1), default=4)
     predictors.set_defaults(func=cmd_train_predictors)
