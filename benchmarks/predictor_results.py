@@ -18,7 +18,11 @@ One command, four parts, written to `<out>/report.md` (and `results.json`):
    the predictor with a window, and the predictor with PowerInfer's hot set pinned (`hot_share` of
    `--hot-shares`, placed from the store's unit profile of the predictor, measured after training:
    `flashlm profile`); tokens/s, MB and requests per token, hit rate, and the share of the profiled
-   neuron uses the hot set covers.
+   neuron uses the hot set covers. The predictors' weights are paid from the same budget.
+5. **Equal perplexity**: DIP-CA on the plain SwiGLU model (no relufication, no training), its
+   perplexity swept over `--dip-densities` (token by token, as it decodes); the lowest density whose
+   perplexity is at most the predictor's on every corpus is decoded at the same budget, and the
+   report says which of the two is faster.
 
     python benchmarks/predictor_results.py --relufied bench-results/relufy/smollm2-fatrelu/model \\
         --out bench-results/predictors
@@ -88,6 +92,12 @@ def main() -> None:
     )
     parser.add_argument("--train-tokens", type=int, default=16384)
     parser.add_argument("--target-recall", type=float, default=0.95)
+    parser.add_argument(
+        "--max-rank",
+        type=int,
+        default=None,
+        help="largest predictor rank tried (default: min(d_model, d_ff))",
+    )
     parser.add_argument("--corpora", default="shakespeare,jargon")
     parser.add_argument("--ppl-tokens", type=int, default=1024)
     parser.add_argument("--windows", default="1,2,5,8")
@@ -95,6 +105,12 @@ def main() -> None:
     parser.add_argument("--profile-tokens", type=int, default=1024, help="tokens of the unit profile")
     parser.add_argument("--memory-budget", default="50%")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--dip-densities",
+        default="0.3,0.5,0.7",
+        help="densities of DIP-CA on the plain model searched for the predictor's perplexity (each one "
+        "decodes --ppl-tokens tokens of every corpus, reading its misses: minutes apiece)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results/predictors"))
     args = parser.parse_args()
     if args.relufied is None:
@@ -107,14 +123,18 @@ def main() -> None:
     from flashlm.data.corpora import corpus_tokens
     from flashlm.data.models import model_path
     from flashlm.eval.perplexity import perplexity
+    from flashlm.eval.sweep import sweep
+    from flashlm.methods.calibration import Calibration
+    from flashlm.methods.mlp import open_checkpoint_store
     from flashlm.predictors import LabelRule, TrainOptions
     from flashlm.training.checkpoints import load_checkpoint
+    from flashlm.workflows.calibrate import calibrate
     from flashlm.workflows.predictors import train_store_predictors
     from flashlm.workflows.profile import load_or_profile
 
     args.out.mkdir(parents=True, exist_ok=True)
     swiglu = Path(model_path(args.swiglu))
-    options = TrainOptions(target_recall=args.target_recall)
+    options = TrainOptions(target_recall=args.target_recall, max_rank=args.max_rank)
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     report = [f"# Predictor-based loading: {args.relufied}", ""]
 
@@ -179,6 +199,43 @@ def main() -> None:
         "",
     ]
 
+    # 5 (perplexity half). DIP-CA on the plain model: the lowest density within the predictor's perplexity
+    predictor_ppl = ppl["relufied + predictor"]
+    swiglu_store = open_checkpoint_store(swiglu, FlashConfig())
+    if Calibration.load(swiglu_store.path, swiglu_store.content_sha256) is None:
+        calibrate(swiglu, corpus=corpora[0], num_tokens=1024, progress=False)
+    dip_rows = sweep(
+        swiglu,
+        methods=["dip-ca"],
+        densities=[float(d) for d in args.dip_densities.split(",")],
+        corpora=corpora,
+        num_tokens=args.ppl_tokens,
+        memory_budget=args.memory_budget,
+        out_dir=args.out / "dip-ca-sweep",
+        progress=False,
+    )
+    dip_ppl: dict[float, dict[str, float]] = {}
+    for row in dip_rows:
+        dip_ppl.setdefault(float(row["target_density"]), {})[row["corpus"]] = float(row["perplexity"])
+    qualifying = [d for d in sorted(dip_ppl) if all(dip_ppl[d][c] <= predictor_ppl[c] for c in corpora)]
+    equal_density = qualifying[0] if qualifying else None
+    results["dip_ca_perplexity"] = {str(d): v for d, v in dip_ppl.items()}
+    report += [
+        "## DIP-CA on the plain SwiGLU model: perplexity by density (token by token, as it decodes)",
+        "",
+        "| density | " + " | ".join(corpora) + " |",
+        "|---|" + "---|" * len(corpora),
+        *(f"| {d:g} | " + " | ".join(f"{v[c]:.2f}" for c in corpora) + " |" for d, v in dip_ppl.items()),
+        "",
+        (
+            f"Lowest density with perplexity at most the predictor's on every corpus: {equal_density:g}."
+            if equal_density is not None
+            else "No swept density reaches the predictor's perplexity on every corpus: no equal-perplexity "
+            "row."
+        ),
+        "",
+    ]
+
     # 3 and 4. decode rows, each in its own process
     budget = {"memory_budget": args.memory_budget, "store": str(store.resolve())}
     specs = {name: {**budget, **options} for name, options in DECODE_ROWS.items()}
@@ -190,11 +247,22 @@ def main() -> None:
         load_or_profile(args.relufied, FlashConfig(**predictor), num_tokens=args.profile_tokens)
         for share in hot_shares:
             specs[f"predictor + hot set {share:.0%}"] = {**predictor, "hot_share": share}
+    models = dict.fromkeys(specs, args.relufied)
+    equal_row = None
+    if equal_density is not None:
+        equal_row = f"plain SwiGLU DIP-CA@{equal_density:g} (perplexity <= predictor's)"
+        specs[equal_row] = {
+            "memory_budget": args.memory_budget,
+            "store": str(swiglu_store.path),
+            **DECODE_ROWS["dip-ca@0.6"],
+            "density": equal_density,
+        }
+        models[equal_row] = swiglu
     with tempfile.TemporaryDirectory() as offload:  # `flashlm.eval.decode`, as `flashlm bench` runs rows
         decoded = {
             name: run_in_subprocess(
                 {"name": name, "kind": "flashlm", "options": spec},
-                args.relufied,
+                models[name],
                 new_tokens=args.new_tokens,
                 offload_dir=Path(offload),
             )
@@ -222,6 +290,15 @@ def main() -> None:
             f"| {r['mlp_density']:.1%} "
             f"| {r['hit_rate']:.1%} | {hot_set_cell(r.get('hot_set'))} |"
         )
+    if equal_row is not None:
+        predictor, rival = decoded["predictor"]["decode_tok_s"], decoded[equal_row]["decode_tok_s"]
+        verdict = "faster than" if predictor > rival else "slower than"
+        report += [
+            "",
+            f"At equal memory and at most the predictor's perplexity, the relufied model with its predictor "
+            f"decodes {predictor:.2f} tok/s: {predictor / rival:.2f}x {equal_row} ({rival:.2f} tok/s), "
+            f"i.e. {verdict} it.",
+        ]
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (args.out / "report.md").write_text("\n".join(report) + "\n")
     print("\n".join(report))
