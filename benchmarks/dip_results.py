@@ -50,16 +50,11 @@ def read_csv(path: Path) -> list[dict]:
 
 
 def stage_ppl(args, model: Path) -> None:
-    from flashlm.config import FlashConfig
     from flashlm.eval.sweep import sweep
-    from flashlm.methods.calibration import Calibration
-    from flashlm.methods.mlp import open_checkpoint_store
-    from flashlm.workflows.calibrate import calibrate
+    from flashlm.workflows.calibrate import load_or_calibrate
 
-    store = open_checkpoint_store(model, FlashConfig())
-    if Calibration.load(store.path, store.content_sha256) is None:
-        print("== calibrating (DIP density split, thresholds) on the calibration split", file=sys.stderr)
-        calibrate(model, corpus=args.corpora[0], num_tokens=1024, context_length=args.context_length)
+    print("== DIP's calibration (density split, thresholds): saved, or measured now", file=sys.stderr)
+    load_or_calibrate(model, corpus=args.corpora[0], num_tokens=1024, context_length=args.context_length)
     common = {
         "context_length": args.context_length,
         "num_tokens": args.tokens,

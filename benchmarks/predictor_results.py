@@ -124,11 +124,9 @@ def main() -> None:
     from flashlm.data.models import model_path
     from flashlm.eval.perplexity import perplexity
     from flashlm.eval.sweep import sweep
-    from flashlm.methods.calibration import Calibration
-    from flashlm.methods.mlp import open_checkpoint_store
     from flashlm.predictors import LabelRule, TrainOptions
     from flashlm.training.checkpoints import load_checkpoint
-    from flashlm.workflows.calibrate import calibrate
+    from flashlm.workflows.calibrate import load_or_calibrate
     from flashlm.workflows.predictors import train_store_predictors
     from flashlm.workflows.profile import load_or_profile
 
@@ -201,9 +199,7 @@ def main() -> None:
 
     # 5 (perplexity half). DIP-CA on the plain model: the lowest density within the predictor's perplexity
     predictor_ppl = ppl["relufied + predictor"]
-    swiglu_store = open_checkpoint_store(swiglu, FlashConfig())
-    if Calibration.load(swiglu_store.path, swiglu_store.content_sha256) is None:
-        calibrate(swiglu, corpus=corpora[0], num_tokens=1024, progress=False)
+    load_or_calibrate(swiglu, corpus=corpora[0], num_tokens=1024, progress=False)
     dip_rows = sweep(
         swiglu,
         methods=["dip-ca"],
@@ -253,7 +249,6 @@ def main() -> None:
         equal_row = f"plain SwiGLU DIP-CA@{equal_density:g} (perplexity <= predictor's)"
         specs[equal_row] = {
             "memory_budget": args.memory_budget,
-            "store": str(swiglu_store.path),
             **DECODE_ROWS["dip-ca@0.6"],
             "density": equal_density,
         }

@@ -140,3 +140,30 @@ def test_calibrate_model_on_the_tiny_llama(make_tiny_checkpoint, tmp_path) -> No
     rho_in, rho_down = result.split(0.5)
     assert streaming_mlps(dip)[0].k_in == max(1, round(rho_in * 64))
     assert streaming_mlps(dip)[0].k_out == max(1, round(rho_down * 96))
+
+
+def test_load_or_calibrate_measures_only_when_the_store_has_none(make_tiny_checkpoint, tmp_path, monkeypatch):
+    from flashlm.workflows import calibrate as workflow
+
+    path = make_tiny_checkpoint("llama", dtype=torch.float32)
+    store = tmp_path / "store"
+    calls = []
+    monkeypatch.setattr(workflow, "calibrate", lambda *args, **kwargs: calls.append(kwargs) or "measured")
+    assert workflow.load_or_calibrate(path, store=str(store), num_tokens=64, progress=False) == "measured"
+    assert calls == [{"corpus": "shakespeare", "store": str(store), "progress": False, "num_tokens": 64}]
+
+    saved = Calibration(
+        content_sha256=flashlm.Store.open(store).content_sha256,
+        corpus="text",
+        tokens=1,
+        input_quantiles=[],
+        global_input_quantiles=[],
+        gate_quantiles=[],
+        split_fit=None,
+        split_points=[],
+    )
+    saved.save(store)
+    assert workflow.load_or_calibrate(path, store=str(store), progress=False) == Calibration.load(
+        store, saved.content_sha256
+    )
+    assert len(calls) == 1  # the saved one, not measured again

@@ -184,3 +184,23 @@ def calibrate(
         split=split,
         progress=progress,
     )
+
+
+def load_or_calibrate(
+    model_path: str | os.PathLike | None = None,
+    *,
+    corpus: str = "shakespeare",
+    store: str | os.PathLike | None = None,
+    progress: bool = True,
+    **options: Any,
+) -> Calibration:
+    """The calibration saved in the model's store for these weights, or a new one (`calibrate(model_path,
+    corpus=corpus, store=store, **options)`) when there is none."""
+    from ..methods.mlp import open_checkpoint_store
+
+    path = Path(model_path) if model_path is not None else default_model_path(progress=progress)
+    opened = open_checkpoint_store(path, FlashConfig(store=store), progress=progress)
+    saved = Calibration.load(opened.path, opened.content_sha256)
+    if saved is not None:
+        return saved
+    return calibrate(path, corpus=corpus, store=store, progress=progress, **options)
