@@ -91,14 +91,8 @@ class PredictorMLP(PredictorSelection, FlashMLP):
 
     @classmethod
     def make_runtime(cls, store: Store, config: FlashConfig, fitted: Any) -> FlashRuntime:
-        predictor_bytes = sum(p.numel() * p.element_size() for p in fitted.parameters())
         return FlashRuntime(
-            store,
-            config,
-            cls.KINDS,
-            read_ahead=(),
-            fitted_files=cls.FITTED_FILES,
-            fitted_bytes=predictor_bytes,
+            store, config, cls.KINDS, read_ahead=(), fitted_files=cls.FITTED_FILES, fitted_bytes=fitted.nbytes
         )
 
     @classmethod

@@ -193,6 +193,11 @@ class Predictors(nn.Module):
         return self[0].d_ff
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of every layer's weights, as held in memory."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    @property
     def ranks(self) -> list[int]:
         return [p.rank for p in self]
 
