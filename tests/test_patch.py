@@ -276,6 +276,35 @@ def test_streaming_module_has_no_parameters(make_tiny_checkpoint, tmp_path):
         assert not module.state_dict()
 
 
+@pytest.mark.parametrize(
+    "options", [{"method": "dense"}, {"method": "dip", "density": 0.5, "cache_aware": 1.0}]
+)
+def test_from_pretrained_allocates_the_cache_slots_once(options, make_tiny_checkpoint, tmp_path, monkeypatch):
+    """transformers' loader replaces every non-persistent buffer after loading, so caches built for the
+    model on the meta device get their slots there (no memory); the loader's buffers are then emptied,
+    zeroed and used. `patch`, on a model in memory, builds its slots on the CPU at once."""
+    path = make_tiny_checkpoint("llama", dtype=torch.float32)
+    built: list[torch.device] = []
+    make_cache = FlashRuntime.make_cache
+
+    def recording(runtime, layer, kind):
+        cache = make_cache(runtime, layer, kind)
+        built.append(cache.rows.device)
+        return cache
+
+    monkeypatch.setattr(FlashRuntime, "make_cache", recording)
+    model = load_patched(path, tmp_path / "store", **options)
+    caches = list(streaming_mlps(model)[0].runtime.caches.values())
+    assert built and all(device.type == "meta" for device in built)
+    for cache in caches:
+        assert cache.rows.device.type == "cpu" and cache.rows.shape == (cache.capacity, cache.width)
+        assert cache.size == 0 and not cache.rows.any() and (cache.slot_of == -1).all()
+
+    built.clear()
+    flashlm.patch(AutoModelForCausalLM.from_pretrained(path), model.config.quantization_config)
+    assert built and all(device.type == "cpu" for device in built)
+
+
 def test_layers_called_out_of_order_stay_exact(make_tiny_checkpoint, tmp_path):
     """A prefetch made for the next layer is discarded, not misused, when another layer runs."""
     path = make_tiny_checkpoint("llama", dtype=torch.float32)

@@ -222,6 +222,10 @@ class FlashRuntime(Runtime):
         if config.hot_share and not dense and config.policy != NO_CACHE:
             self.hot_set = self._place_hot_set(row_files, unit_bytes, fitted_files)
         self.caches: dict[tuple[int, str], NeuronCache] = {}
+        self.slot_device = torch.device("cpu")
+        """Where `make_cache` puts a cache's slots. The meta device for a model transformers is loading:
+        its loader replaces every non-persistent buffer afterwards, so slots allocated now would only
+        double the peak memory; `reset_state` then empties and pins the loader's buffers."""
         self.unit_ids = torch.arange(max(f.rows for f in row_files.values()))
         """0, 1, 2, ...: sliced for 'every unit of a layer' instead of allocating a range per step."""
         self._nothing = {
@@ -314,8 +318,8 @@ class FlashRuntime(Runtime):
         return placement
 
     def make_cache(self, layer: int, kind: str) -> NeuronCache:
-        """Layer `layer`'s cache of `kind` units, with the capacity the budget plan gives it (on the CPU),
-        its hot units pinned."""
+        """Layer `layer`'s cache of `kind` units, with the capacity the budget plan gives it (on
+        `slot_device`), its hot units pinned (where the slots are real)."""
         num_units = self.store.row_file(layer, kind).rows
         policy = make_policy(self._policy_name, num_units, **self._policy_options())
         cache = NeuronCache(
@@ -324,17 +328,21 @@ class FlashRuntime(Runtime):
             self.store.row_file(layer, kind).width,
             self.slot_dtypes[kind],
             policy,
-            device=torch.device("cpu"),
+            device=self.slot_device,
         )
         self.caches[(layer, kind)] = cache
-        self._pin_hot(layer, kind)
+        if not cache.rows.is_meta:
+            self._pin_hot(layer, kind)
         return cache
 
     def reset_caches(self, layer: int) -> None:
-        """Empty layer `layer`'s caches and pin their hot units again (read from the store)."""
+        """Empty layer `layer`'s caches and pin their hot units again (read from the store). The slots
+        are written once here, so that the pages of new buffers (the loader's) are faulted in at load
+        rather than while decoding."""
         self.drain()
         for (cache_layer, kind), cache in self.caches.items():
             if cache_layer == layer:
+                cache.rows.zero_()
                 cache.clear()
                 self._pin_hot(layer, kind)
 
