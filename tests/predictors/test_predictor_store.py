@@ -72,6 +72,16 @@ def test_round_trip(store: Path) -> None:
     assert Predictors.load(opened).ranks == [3, 5]
 
 
+def test_predictors_load_in_the_dtype_they_were_saved_in(store: Path) -> None:
+    predictors = make_predictors().to(torch.bfloat16)
+    predictors.save(store)
+    loaded = Predictors.load(store)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    assert loaded.nbytes == predictors.nbytes == make_predictors().nbytes // 2
+    for name, tensor in predictors.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor)
+
+
 def test_predictors_for_other_weights_are_refused(
     stores: dict[str, Path], store: Path, tmp_path: Path
 ) -> None:

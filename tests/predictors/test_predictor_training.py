@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -76,6 +77,27 @@ def test_training_learns_a_planted_pattern_with_rank_growth() -> None:
     hits = (predicted & fresh).sum().item()
     assert hits / fresh.sum().item() >= 0.85
     assert hits / predicted.sum().item() >= 0.95
+
+
+def test_a_predictor_is_held_and_measured_in_its_dtype() -> None:
+    """Trained in float32, kept in `dtype` (the store's): its threshold and report are measured with
+    the logits it computes there, so the recall it reports is the recall it runs at."""
+    x, labels = planted(1500, seed=0)
+    options = TrainOptions(ranks=(8,), target_recall=0.9, epochs=6, lr=2e-2, batch_size=128)
+    wide, _ = train_layer(x, labels, options)
+    narrow, report = train_layer(x, labels, replace(options, dtype=torch.bfloat16))
+    assert wide.reduce.weight.dtype == torch.float32
+    assert {p.dtype for p in narrow.parameters()} == {torch.bfloat16}
+    assert torch.equal(narrow.reduce.weight, wide.reduce.weight.bfloat16())  # the same training
+    # The held-out rows, as train_layer splits them (seeded): the report is of the bfloat16 logits.
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(options.seed))
+    held = order[: round(options.holdout * len(x))]
+    predicted, truth = narrow.predict(x[held]), labels[held]
+    assert report.recall == (predicted & truth).sum().item() / truth.sum().item() >= 0.9
+    assert report.precision == (predicted & truth).sum().item() / predicted.sum().item()
+    assert report.threshold == narrow.threshold
+    cut = narrow.threshold_logit  # one of the bfloat16 logits, not a float32 one
+    assert cut == torch.tensor(cut).bfloat16().item() != wide.threshold_logit
 
 
 def test_rank_growth_stops_at_the_first_rank_that_reaches_the_target() -> None:

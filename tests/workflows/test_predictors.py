@@ -48,6 +48,25 @@ def test_trained_predictors_are_saved_beside_the_store_and_drive_the_method(tiny
     assert 0 < flashlm.stats(model).totals()["density"] < 1
 
 
+def test_predictors_are_held_in_the_stores_dtype(make_tiny_checkpoint, tmp_path):
+    """A bfloat16 checkpoint's predictors are bfloat16 (half the memory of float32), as saved, as the
+    method runs them, and as the budget counts them."""
+    path = tmp_path / "opt"
+    shutil.copytree(make_tiny_checkpoint("opt", dtype=torch.bfloat16), path)
+    save_word_tokenizer(path)
+    options = TrainOptions(ranks=(8,), epochs=2, target_recall=0.9)
+    trained = train_store_predictors(path, tokens=512, sequence_length=64, options=options, progress=False)
+    assert {p.dtype for p in trained.parameters()} == {torch.bfloat16}
+    config = flashlm.FlashConfig(method="predictor", density=0.9, memory_budget=10**7)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
+    modules = streaming_mlps(model)
+    assert {p.dtype for module in modules for p in module.predictor.parameters()} == {torch.bfloat16}
+    assert modules[0].runtime.fitted_bytes == trained.nbytes
+    ids = torch.randint(3, 30, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=4, do_sample=False)
+
+
 def test_too_few_tokens_for_one_window_is_refused_before_any_work(tiny_opt):
     with pytest.raises(ConfigError, match="at least one window"):
         train_store_predictors(tiny_opt, tokens=32, sequence_length=64, progress=False)

@@ -288,7 +288,8 @@ class Predictors(nn.Module):
                 else LabelRule.from_dict(metadata["label_rule"]),
                 reports=[LayerReport.from_dict(r) for r in metadata.get("reports", [])],
             )
-            predictors.load_state_dict(tensors, strict=True)
+            dtype = next((tensor.dtype for tensor in tensors.values()), torch.float32)  # as trained for
+            predictors.to(dtype).load_state_dict(tensors, strict=True)
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise StoreCorruptError(f"The predictors file {path} is inconsistent ({exc}). {retrain}") from exc
         return predictors.to(device)

@@ -12,9 +12,11 @@ Per layer (LLM in a flash §3.1 / appendix B, PowerInfer §5.1):
    would reach it, only with more neurons loaded. With the balanced loss, 0.5 weighs misses and
    false alarms equally, so the recall there measures how separable the layer is at that rank —
    PowerInfer's "accuracy", which grows the predictor where activations are dense or not skewed.
-4. The kept predictor's threshold is set on the held-out rows to the highest logit that still
-   catches the target share of the truly active (token, neuron) pairs, and the report gives its
-   recall, precision, predicted density and size against the MLP.
+4. The kept predictor is cast to the dtype it will run in (`TrainOptions.dtype`: the store's, so that
+   it costs what the weights cost per parameter). Its threshold is set on the held-out rows, on
+   logits computed in that dtype, to the highest logit that still catches the target share of the
+   truly active (token, neuron) pairs, and the report gives its recall, precision, predicted
+   density and size against the MLP, all measured as it will run.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class TrainOptions:
     `ranks` are tried in increasing order up to `max_rank` (None: min(d_model, d_ff), past which a
     low-rank factorization stops saving anything); `target_recall` is both the rank-growth criterion
     and the recall the threshold is set for; `holdout` the share of rows held out for both.
-    `max_pos_weight` bounds the balancing weight of very rarely active neurons.
+    `max_pos_weight` bounds the balancing weight of very rarely active neurons. `dtype` is the dtype
+    the kept predictor is held and run in (None: float32, in which it is trained whatever `dtype`).
     """
 
     ranks: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
@@ -54,6 +57,7 @@ class TrainOptions:
     max_pos_weight: float = 1000.0
     seed: int = 0
     device: str | None = None
+    dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.target_recall <= 1:
@@ -73,9 +77,10 @@ class TrainOptions:
 
 
 def _logits(predictor: LowRankPredictor, inputs: torch.Tensor) -> torch.Tensor:
+    """float32 logits of `predictor` (computed in its own dtype) for `inputs`."""
     with torch.no_grad():
         return torch.cat(
-            [predictor(inputs[i : i + _EVAL_ROWS].float()) for i in range(0, len(inputs), _EVAL_ROWS)]
+            [predictor(inputs[i : i + _EVAL_ROWS]).float() for i in range(0, len(inputs), _EVAL_ROWS)]
         )
 
 
@@ -166,6 +171,9 @@ def train_layer(
         if tried[rank] >= options.target_recall:
             break
     assert predictor is not None
+    if options.dtype not in (None, torch.float32):
+        predictor = predictor.to(options.dtype)
+        held_logits = _logits(predictor, held_x)
 
     cut = _threshold_for_recall(held_logits, held_y, options.target_recall)
     predictor.threshold_logit = cut

@@ -6,6 +6,7 @@ layer (PowerInfer §5.1's rank growth), and save them beside the model's store, 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ def train_store_predictors(
 
     `rule` says what "active" means (default: exactly nonzero for ReLU-family models, the top 10% by
     magnitude otherwise); `store` the store to save beside (default: the model's, converted if
-    missing).
+    missing). The predictors are held in the store's dtype unless `options.dtype` says otherwise.
     """
     from transformers import AutoTokenizer
 
@@ -54,9 +55,13 @@ def train_store_predictors(
             f"the {tokens} asked for: ask for fewer tokens or pick a larger corpus."
         )
     windows = ids[: tokens - tokens % sequence_length].view(-1, 1, sequence_length)
+    target = open_checkpoint_store(path, FlashConfig(store=str(store) if store else None))
+    options = options or TrainOptions()
+    if options.dtype is None:
+        options = replace(options, dtype=target.dtype)
     dense = load_checkpoint(path, dtype=torch.float32)  # a relufied one with its FATReLU thresholds
     samples = collect_activations(dense, list(windows), rule=rule, max_rows=tokens, progress=progress)
     del dense
     predictors = train_predictors(samples, options, progress=progress)
-    predictors.save(open_checkpoint_store(path, FlashConfig(store=str(store) if store else None)))
+    predictors.save(target)
     return predictors
