@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import flashlm
-from flashlm._utils import format_bytes, parse_bytes
+from flashlm._utils import format_bytes, parse_bytes, peak_rss_bytes
 from flashlm.cache.policies import POLICIES
 from flashlm.config import Budget, FlashConfig
 from flashlm.errors import ConfigError
@@ -132,3 +134,19 @@ def test_the_readme_names_every_registered_choice(option, registry):
     README's options table does not name fails here."""
     row = _option_row(option)
     assert [name for name in registry if f'`"{name}"`' not in row] == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs Linux's /proc/self/status")
+def test_a_childs_peak_memory_is_its_own_not_its_parents():
+    """`ru_maxrss` of a process started by a large parent counts the parent's pages at the fork, so the
+    decode rows, each measured in a child of the benchmark, would report the benchmark's size."""
+    ballast = b"\x01" * (768 << 20)  # written, hence resident
+    script = (
+        "import resource; from flashlm._utils import peak_rss_bytes; "
+        "print(peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    own, inherited = map(int, out.split())
+    assert inherited >= len(ballast) > own > 0
+    assert peak_rss_bytes() >= len(ballast)
+    del ballast

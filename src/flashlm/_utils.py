@@ -1,9 +1,10 @@
-"""Small helpers shared across flashlm: byte sizes and the cache directory."""
+"""Small helpers shared across flashlm: byte sizes, the process's peak memory and the cache directory."""
 
 from __future__ import annotations
 
 import os
 import re
+import resource
 from pathlib import Path
 
 from .errors import CacheDirError, ConfigError
@@ -47,6 +48,23 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
     raise AssertionError("unreachable")
+
+
+def peak_rss_bytes() -> int:
+    """The most memory this process has held resident, in bytes.
+
+    Linux's `VmHWM` where there is one: `ru_maxrss` also counts the parent's resident pages at the
+    fork that started this process, so a small measured child of a large parent would report the
+    parent's size.
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
 
 
 def cache_dir() -> Path:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -147,6 +146,7 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
     import torch
     from transformers import AutoTokenizer
 
+    from .._utils import peak_rss_bytes
     from ..patching import flashlm_modules, stats, trace
 
     torch.manual_seed(0)
@@ -191,7 +191,7 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
         "prefill_s": prefill_s,
         "decode_tok_s": len(step_s) / sum(step_s),
         "proc_read_bytes_per_token": sum(step_bytes) / len(step_bytes),
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss": peak_rss_bytes(),
         "tokens": tokens,
         "layer_ms": layer_times.mean_ms(),
         "last_step_layers": layer_times.last_step,

@@ -34,7 +34,6 @@ import contextlib
 import json
 import math
 import os
-import resource
 import shutil
 import sys
 import time
@@ -47,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._utils import peak_rss_bytes
 from .._version import __version__
 from ..arch import MLPSpec, find_mlps, model_type_of, spec_for
 from ..config import FlashConfig
@@ -486,7 +486,7 @@ def run(
         train_seconds=result.seconds,
         first_loss=losses[0]["loss"] if losses else math.nan,
         final_loss=result.final_loss,
-        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        peak_rss_mb=peak_rss_bytes() / 2**20,
     )
     if main:
         save_adapter(trainer.unwrapped(), out / ADAPTER_DIR, record)
