@@ -106,8 +106,10 @@ class MLPReplacer(Replacer):
         with torch.device("cpu"):  # transformers builds the model under a meta-device context
             fitted = cls.load_fitted(store)
             runtime = cls.make_runtime(store, config, fitted)
-        if any(parameter.is_meta for parameter in owners[0][2].parameters()):
-            runtime.slot_device = torch.device("meta")  # transformers is loading it (`slot_device`)
+        _, _, first_mlp = owners[0]
+        if any(parameter.is_meta for parameter in first_mlp.parameters()):
+            # Only transformers' loader hands over MLPs without weights (`patch` reads them).
+            runtime.slot_device = torch.device("meta")
         targets = []
         for layer, owner_name, owner in owners:
             name, identities = (owner_name, ()) if spec.owner else self._on_layer(spec, owner_name)
