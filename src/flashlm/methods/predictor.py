@@ -23,9 +23,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.nn import functional as F
 
 from ..engine.runtime import FlashRuntime
 from ..errors import ConfigError
+from ..ops.columns import ColumnProduct
 from ..predictors import PREDICTORS_FILE, Predictors
 from .base import register_method
 from .masking import union_ids
@@ -69,6 +71,7 @@ class PredictorMLP(PredictorSelection, FlashMLP):
         d_model: int,
         d_ff: int,
         k_max: int,
+        down_density: float = 1.0,
         up_bias: torch.Tensor | None = None,
         down_bias: torch.Tensor | None = None,
         dense_class: type[nn.Module] | None = None,
@@ -82,6 +85,9 @@ class PredictorMLP(PredictorSelection, FlashMLP):
         self.register_buffer("up_bias", up_bias, persistent=False)
         self.register_buffer("down_bias", down_bias, persistent=False)
         self._row_bytes = runtime.store.row_file(layer, BUNDLE).row_bytes
+        self.down_product = ColumnProduct.measure(self.bundle_cache.rows.dtype, d_model, down_density)
+        """How `sum_j coef_j down_j` is computed over bundles where they lie (`ColumnProduct`), measured
+        for the share of predicted neurons that fire (`down_density`: the predictor's precision)."""
 
     # ---- how the engine builds it -----------------------------------------------------------
 
@@ -113,6 +119,7 @@ class PredictorMLP(PredictorSelection, FlashMLP):
                 "output. Relufy the model first (`flashlm train relufy`), or use method='dip'."
             )
         resident = store.resident(layer)
+        precision = fitted.reports[layer].precision if layer < len(fitted.reports) else 1.0
         return cls(
             layer,
             runtime,
@@ -122,6 +129,7 @@ class PredictorMLP(PredictorSelection, FlashMLP):
             d_model=store.d_model,
             d_ff=store.d_ff,
             **selection_options(runtime.config, layer, store.d_model, store.d_ff, None),
+            down_density=precision,
             up_bias=resident.get("up_bias"),
             down_bias=resident.get("down_bias"),
             dense_class=dense_class,
@@ -161,12 +169,12 @@ class PredictorMLP(PredictorSelection, FlashMLP):
         pending = runtime.submit(layer, BUNDLE, miss_ids)
         submitted = perf_counter()
 
-        out = self._bundles(x, mask, cache.rows.index_select(0, hit_slots), hit_ids)
+        out = x.new_zeros(tokens, self.d_model, dtype=torch.float32)
+        self._bundles(out, x, mask, cache.rows, hit_ids, hit_slots)
         waiting = perf_counter()
         fetched = pending.result()
         read = perf_counter()
-        if miss_ids.numel():
-            out += self._bundles(x, mask, fetched.matrix.index_select(0, miss_ids), miss_ids)
+        self._bundles(out, x, mask, fetched.matrix, miss_ids, miss_ids)  # the staging rows are by unit
         if self.down_bias is not None:
             out += self.down_bias
         done = perf_counter()
@@ -198,15 +206,25 @@ class PredictorMLP(PredictorSelection, FlashMLP):
         return out.to(hidden_states.dtype).reshape(hidden_states.shape)
 
     def _bundles(
-        self, x: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
-        """The `[T, d_model]` output of the neurons `ids` (their bundles `rows`), each token's own masked
-        out: `sum_j m_tj act(gate_j x) (up_j x) down_j`, or `sum_j m_tj act(up_j x + b_j) down_j`."""
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        rows: torch.Tensor,
+        ids: torch.Tensor,
+        index: torch.Tensor,
+    ) -> None:
+        """Add to the float32 `out` `[T, d_model]` the output of the neurons `ids`, whose bundles are
+        `rows[index]`, each token's own masked out: `sum_j m_tj act(gate_j x) (up_j x) down_j`, or
+        `sum_j m_tj act(up_j x + b_j) down_j`. Only the input rows are gathered; the down columns are
+        summed where they lie."""
+        if ids.numel() == 0:
+            return
         d = self.d_model
+        inputs = rows[:, : 2 * d if self.gated else d].index_select(0, index)
         if self.gated:
-            hidden = self.act(x @ rows[:, :d].T) * (x @ rows[:, d : 2 * d].T)
+            hidden = self.act(F.linear(x, inputs[:, :d])) * F.linear(x, inputs[:, d:])
         else:
-            pre = x @ rows[:, :d].T
+            pre = F.linear(x, inputs)
             hidden = self.act(pre if self.up_bias is None else pre + self.up_bias[ids])
-        coef = hidden * mask[:, ids]
-        return coef @ rows[:, -d:]
+        self.down_product(out, (hidden * mask[:, ids]).float(), rows[:, -d:], index)
