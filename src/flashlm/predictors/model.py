@@ -276,20 +276,21 @@ class Predictors(nn.Module):
             )
         _check_dimensions(store, num_layers, d_model, d_ff, what=f"The predictors in {path}")
         try:
-            predictors = cls(
-                [
+            with torch.device("meta"):  # no initialization: the saved tensors (in their dtype) are assigned
+                layers = [
                     LowRankPredictor(
                         d_model, d_ff, int(entry["rank"]), threshold_logit=entry["threshold_logit"]
                     )
                     for entry in layers_meta
-                ],
+                ]
+            predictors = cls(
+                layers,
                 label_rule=None
                 if metadata["label_rule"] is None
                 else LabelRule.from_dict(metadata["label_rule"]),
                 reports=[LayerReport.from_dict(r) for r in metadata.get("reports", [])],
             )
-            dtype = next((tensor.dtype for tensor in tensors.values()), torch.float32)  # as trained for
-            predictors.to(dtype).load_state_dict(tensors, strict=True)
+            predictors.load_state_dict(tensors, strict=True, assign=True)
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise StoreCorruptError(f"The predictors file {path} is inconsistent ({exc}). {retrain}") from exc
         return predictors.to(device)
