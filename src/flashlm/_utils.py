@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import resource
+import sys
 from pathlib import Path
 
 from .errors import CacheDirError, ConfigError
@@ -64,7 +65,8 @@ def peak_rss_bytes() -> int:
                     return int(line.split()[1]) * 1024  # kB
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kB elsewhere
 
 
 def cache_dir() -> Path:
