@@ -63,7 +63,8 @@ class NeuronCache(nn.Module):
         width: elements per unit row.
         dtype: element type of the rows.
         policy: eviction policy for `num_units` units (a submodule: `.to()` moves its state).
-        device: where the rows and indices live.
+        device: where the rows and indices live. Unit ids given to the cache may be on any device; those
+            it returns are on its own.
 
     Buffers (non-persistent: moved by `.to()`, absent from `state_dict()`):
         rows: `[capacity, width]` unit rows; slots `0 .. size-1` are occupied.
@@ -161,8 +162,10 @@ class NeuronCache(nn.Module):
     def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split the sorted unique unit ids `ids` into hits (with their slots) and misses.
 
-        Returns `(hit_ids, hit_slots, miss_ids)`, each in the order of `ids`; counts hits and misses.
+        Returns `(hit_ids, hit_slots, miss_ids)`, each in the order of `ids`, on the cache's device;
+        counts hits and misses.
         """
+        ids = ids.to(self.slot_of.device)
         slots = self.slot_of[ids]
         hit = slots >= 0
         hit_ids, hit_slots, miss_ids = ids[hit], slots[hit], ids[~hit]
@@ -176,11 +179,13 @@ class NeuronCache(nn.Module):
         return miss_ids
 
     def missing(self, ids: torch.Tensor) -> torch.Tensor:
-        """The units of `ids` that are not resident, in the order of `ids` (not counted). On the CPU,
-        one call to C (`_lookup.c`) where a compiler is found; none at all while every unit is resident."""
+        """The units of `ids` that are not resident, in the order of `ids` (not counted), on the cache's
+        device. On the CPU, one call to C (`_lookup.c`) where a compiler is found; none at all while
+        every unit is resident."""
         if self.size == self.num_units:
-            return ids[:0]
+            return ids[:0].to(self.slot_ids.device)
         native, slot_of = _native_missing(), self.slot_of
+        ids = ids.to(slot_of.device)
         if (
             native is None
             or not (ids.is_cpu and slot_of.is_cpu)
@@ -228,6 +233,7 @@ class NeuronCache(nn.Module):
         matrix read in place). Which misses are kept, and whom they displace, follows the admission
         rule in the module docstring.
         """
+        used_ids, miss_ids = used_ids.to(self.slot_of.device), miss_ids.to(self.slot_of.device)
         self.policy.record(used_ids, step)
         if self.size > self.pinned and self.policy.EXPIRES:
             self._delete(self.policy.expired(self.resident_ids[self.pinned :], step))

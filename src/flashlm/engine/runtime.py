@@ -10,6 +10,7 @@ layers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -49,6 +50,13 @@ class Fetch:
     bytes_read: int
     reads: int
     busy_s: float
+
+    def to(self, device: torch.device) -> Fetch:
+        """This fetch with its ids and staging matrix on `device` (itself where they are there already):
+        reads land in host memory, and a module computes where its caches are."""
+        if self.matrix.device == device:
+            return self
+        return dataclasses.replace(self, ids=self.ids.to(device), matrix=self.matrix.to(device))
 
 
 LayerFetch = dict[str, Fetch]
@@ -367,8 +375,10 @@ class FlashRuntime(Runtime):
 
     def read(self, layer: int, kind: str, ids: torch.Tensor, buffer: int = 0) -> Fetch:
         """Read units `ids` of `layer`'s `kind` matrix now, in place into that kind's staging buffer
-        `buffer` (no gather: the reader's runs land at their own rows)."""
+        `buffer` (no gather: the reader's runs land at their own rows). The fetch is in host memory,
+        whatever device `ids` are on (`Fetch.to` moves it)."""
         staging = self.staging[kind][buffer]
+        ids = ids.cpu()
         bytes_before, reads_before = self.reader.bytes_read, self.reader.reads_issued
         started = perf_counter()
         if ids.numel():
@@ -474,6 +484,7 @@ class FlashRuntime(Runtime):
         staging buffer `buffer` (one the forward running now does not use). Queued after the reads and
         cache updates already submitted, so it overlaps the compute between here and that layer."""
         self.take_guess(-1, kind)  # one guess at a time: an unclaimed one is waited for and dropped
+        ids = ids.cpu()
         self._guess = Guess(layer, kind, buffer, ids, self.submit(layer, kind, ids, buffer))
 
     def take_guess(self, layer: int, kind: str) -> Guess | None:
@@ -491,6 +502,8 @@ class FlashRuntime(Runtime):
         """The read of a layer's misses `miss_ids` whose guess was `guess`: what the guess did not read
         lands beside it in the same staging buffer. The fetch covers the guessed and the further ids
         (the guessed ones the layer did not select get zero coefficients) and counts both reads."""
+
+        miss_ids = miss_ids.cpu()
 
         def complete() -> Fetch:
             guessed = guess.pending.result()

@@ -124,7 +124,7 @@ class StreamingMLP(DenseOnly, FlashMLP):
             return self._resident_forward(x).reshape(hidden_states.shape)
         pending = runtime.read_layer(self.layer, self.kinds_for(self.gated), ahead=bool(runtime.read_ahead))
         waiting = perf_counter()
-        fetched = pending.result()
+        fetched = {kind: fetch.to(x.device) for kind, fetch in pending.result().items()}
         io_s = perf_counter() - waiting
 
         hits = sum(cache.size for _, cache in self._kind_caches)

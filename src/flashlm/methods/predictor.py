@@ -137,8 +137,10 @@ class PredictorMLP(PredictorSelection, FlashMLP):
 
     @torch.no_grad()
     def reset_state(self) -> None:
-        """Also the predictor's weights, from beside the store (checked against it at patching)."""
+        """Also the predictor's weights, from beside the store (checked against it at patching), on the
+        device the loader put the caches on."""
         super().reset_state()
+        self.predictor.to(self.bundle_cache.rows.device)
         prefix = f"layers.{self.layer}."
         with safe_open(str(self.runtime.store.path / PREDICTORS_FILE), framework="pt", device="cpu") as saved:
             names = [name for name in saved.keys() if name.startswith(prefix)]  # noqa: SIM118 (not a dict)
@@ -172,7 +174,7 @@ class PredictorMLP(PredictorSelection, FlashMLP):
         out = x.new_zeros(tokens, self.d_model, dtype=torch.float32)
         self._bundles(out, x, mask, cache.rows, hit_ids, hit_slots)
         waiting = perf_counter()
-        fetched = pending.result()
+        fetched = pending.result().to(x.device)
         read = perf_counter()
         self._bundles(out, x, mask, fetched.matrix, miss_ids, miss_ids)  # the staging rows are by unit
         if self.down_bias is not None:

@@ -116,7 +116,8 @@ class _Parts:
         if self._fetched is None:
             waiting = perf_counter()
             result = self.pending.result()
-            self._fetched = result[self.kind] if isinstance(result, dict) else result
+            fetched = result[self.kind] if isinstance(result, dict) else result
+            self._fetched = fetched.to(self.cached[0].device)
             self.times.io_s += perf_counter() - waiting
             self.times.io_busy_s += self._fetched.busy_s
             self.times.bytes_read += self._fetched.bytes_read
@@ -364,7 +365,8 @@ class SparseMLP(Selection, FlashMLP):
         guess = runtime.take_guess(layer, kind) if kind == self.INPUT_KIND and self.guesses_ahead else None
         resident = self._residency(cache)
         if guess is not None and resident is not None:
-            resident = resident.index_fill(0, guess.ids, True)  # guessed units are read already, too
+            # guessed units are read already, too
+            resident = resident.index_fill(0, guess.ids.to(resident.device), True)
         mask = select(values, resident)
         ids = runtime.unit_ids[: cache.num_units] if mask is None else union_ids(mask)
         selected = perf_counter()
@@ -419,7 +421,7 @@ class SparseMLP(Selection, FlashMLP):
         all_ids = runtime.unit_ids[: cache.num_units]
         runtime.drain()  # a read ahead may be filling the staging buffer this read uses
         started = perf_counter()
-        fetched = runtime.read(layer, kind, all_ids)
+        fetched = runtime.read(layer, kind, all_ids).to(cache.rows.device)
         read_done = perf_counter()
         times.io_s += read_done - started
         times.io_busy_s += fetched.busy_s

@@ -168,8 +168,10 @@ class ColumnProduct:
         if (coef.shape[1] if coef_ids is None else coef_ids.shape[0]) == 0:
             return
         name = self.decode if coef.shape[0] <= DECODE_MAX_TOKENS else self.prefill
-        if rows.device.type != "cpu" and name == "native":
-            name = "torch"
+        if rows.device.type != "cpu":  # the native kernel is the CPU's; torch's run anywhere
+            name = "torch" if name == "native" else name
+            index = None if index is None else index.to(rows.device)
+            coef_ids = None if coef_ids is None else coef_ids.to(rows.device)
         if name == "native":
             native(out, coef, rows, index, coef_ids)
             return
