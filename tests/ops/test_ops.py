@@ -1,6 +1,7 @@
 """The C operators: the column product (`flashlm.ops.columns`), every implementation against a float64
 reference, the native kernel's zero skipping, strides and determinism, and the measured choices; the
-per-token top-k masks (`flashlm.ops.select`) against a tie-stable sort."""
+row dot products (`RowProduct`) likewise; the per-token top-k masks (`flashlm.ops.select`) against a
+tie-stable sort."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from flashlm.methods.masking import cache_aware_scores, magnitude_topk, topk_mask
 from flashlm.ops import columns, select
-from flashlm.ops.columns import ColumnProduct, native, slot_dtype
+from flashlm.ops.columns import ColumnProduct, RowProduct, native, native_dots, slot_dtype
 
 needs_native = pytest.mark.skipif(
     columns._native_functions() is None, reason="no C compiler here: the native column kernel is not built"
@@ -231,3 +232,90 @@ def test_coefficient_ids_outside_the_coefficients_are_refused() -> None:
         native(out, coef, rows, coef_ids=torch.tensor([0, 1, 2, 3, 4, 5, 6, 8]))
     with pytest.raises(ValueError, match="shapes disagree"):
         native(out, coef, rows, coef_ids=torch.tensor([0, 1]))
+
+
+# ---- row dot products ------------------------------------------------------------------------------
+
+
+def row_operands(tokens: int, n: int, width: int, dtype: torch.dtype):
+    """(x, rows, index): rows a slice of wider rows (as a bundle's gate half is), index unsorted with a
+    repeat."""
+    g = torch.Generator().manual_seed(tokens * 1000 + n + width)
+    rows = torch.randn(n, 3 * width, generator=g).to(dtype)[:, width : 2 * width]
+    x = torch.randn(tokens, width, generator=g)
+    index = torch.randint(0, max(n, 1), (max(n - 3, 0),), generator=g)
+    return x, rows, index
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "n", "width"), [(1, 37, 100), (3, 300, 1000), (2, 64, 17), (1, 0, 8)])
+@pytest.mark.exactness
+def test_native_dots_match_the_reference(dtype, tokens, n, width) -> None:
+    x, rows, index = row_operands(tokens, n, width, dtype)
+    out = torch.full((tokens, index.numel()), float("nan"))
+    native_dots(out, x, rows, index)
+    expected = (x.double() @ rows[index].double().T).float()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    whole = torch.empty(tokens, n)
+    native_dots(whole, x, rows, None)
+    torch.testing.assert_close(whole, (x.double() @ rows.double().T).float(), rtol=1e-5, atol=1e-4)
+
+
+@needs_native
+@pytest.mark.exactness
+def test_native_dots_are_the_same_on_any_number_of_threads() -> None:
+    x, rows, index = row_operands(1, 4096, 512, torch.bfloat16)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            out = torch.empty(1, index.numel())
+            native_dots(out, x, rows, index)
+            results.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+@needs_native
+def test_native_dots_reject_operands_they_cannot_read() -> None:
+    x, rows, index = row_operands(1, 8, 16, torch.bfloat16)
+    out = torch.empty(1, index.numel())
+    with pytest.raises(ValueError, match="float32"):
+        native_dots(out, x.bfloat16(), rows, index)
+    with pytest.raises(ValueError, match="shapes agreeing"):
+        native_dots(out[:, :2], x, rows, index)
+    with pytest.raises(ValueError, match="unit column stride"):
+        native_dots(out, x, rows.T.contiguous().T, index)
+    with pytest.raises(ValueError, match="int64"):
+        native_dots(out, x, rows, index.int())
+
+
+@pytest.mark.parametrize("name", ["native", "torch"])
+@pytest.mark.parametrize("tokens", [1, 40])  # a prompt's tokens always take torch's product
+def test_row_product_rounds_as_f_linear_does(name, tokens) -> None:
+    if name == "native" and columns._native_functions() is None:
+        pytest.skip("no C compiler here: the native row kernel is not built")
+    x, rows, index = row_operands(tokens, 200, 96, torch.bfloat16)
+    x = x.bfloat16()
+    result = RowProduct(name, {})(x, rows, index)
+    assert result.dtype == torch.bfloat16 and result.shape == (tokens, index.numel())
+    expected = torch.nn.functional.linear(x, rows[index])  # fp32 sums, rounded once to bf16
+    torch.testing.assert_close(result, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_row_product_measure_picks_the_faster_and_remembers_it(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("FLASHLM_CACHE", str(tmp_path))
+    columns._measure_rows.cache_clear()
+    try:
+        product = RowProduct.measure(torch.bfloat16, 64)
+        expected = {"torch", "native"} if columns._native_functions() is not None else {"torch"}
+        assert set(product.timings_ms) == expected
+        assert product.timings_ms[product.decode] == min(product.timings_ms.values())
+        columns._measure_rows.cache_clear()
+        monkeypatch.setattr(columns, "_time", lambda *args, **kwargs: pytest.fail("measured again"))
+        assert RowProduct.measure(torch.bfloat16, 64) == product
+    finally:
+        columns._measure_rows.cache_clear()

@@ -23,11 +23,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 from torch import nn
-from torch.nn import functional as F
 
 from ..engine.runtime import FlashRuntime
 from ..errors import ConfigError
-from ..ops.columns import ColumnProduct
+from ..ops import ColumnProduct, RowProduct
 from ..predictors import PREDICTORS_FILE, Predictors
 from .base import register_method
 from .masking import union_ids
@@ -88,6 +87,8 @@ class PredictorMLP(PredictorSelection, FlashMLP):
         self.down_product = ColumnProduct.measure(self.bundle_cache.rows.dtype, d_model, down_density)
         """How `sum_j coef_j down_j` is computed over bundles where they lie (`ColumnProduct`), measured
         for the share of predicted neurons that fire (`down_density`: the predictor's precision)."""
+        self.input_product = RowProduct.measure(self.bundle_cache.rows.dtype, d_model)
+        """How a bundle's gate and up rows are dotted with the tokens where they lie (`RowProduct`)."""
 
     # ---- how the engine builds it -----------------------------------------------------------
 
@@ -218,15 +219,14 @@ class PredictorMLP(PredictorSelection, FlashMLP):
     ) -> None:
         """Add to the float32 `out` `[T, d_model]` the output of the neurons `ids`, whose bundles are
         `rows[index]`, each token's own masked out: `sum_j m_tj act(gate_j x) (up_j x) down_j`, or
-        `sum_j m_tj act(up_j x + b_j) down_j`. Only the input rows are gathered; the down columns are
-        summed where they lie."""
+        `sum_j m_tj act(up_j x + b_j) down_j`. Every row is used where it lies (no gather where the
+        measured products allow)."""
         if ids.numel() == 0:
             return
         d = self.d_model
-        inputs = rows[:, : 2 * d if self.gated else d].index_select(0, index)
+        first = self.input_product(x, rows[:, :d], index)  # gate rows (gated) or up rows
         if self.gated:
-            hidden = self.act(F.linear(x, inputs[:, :d])) * F.linear(x, inputs[:, d:])
+            hidden = self.act(first) * self.input_product(x, rows[:, d : 2 * d], index)
         else:
-            pre = F.linear(x, inputs)
-            hidden = self.act(pre if self.up_bias is None else pre + self.up_bias[ids])
+            hidden = self.act(first if self.up_bias is None else first + self.up_bias[ids])
         self.down_product(out, (hidden * mask[:, ids]).float(), rows[:, -d:], index)

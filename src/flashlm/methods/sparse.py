@@ -48,7 +48,7 @@ from torch import nn
 from ..cache import NeuronCache
 from ..engine.runtime import FlashRuntime
 from ..errors import ConfigError, UnsupportedArchitectureError
-from ..ops import ColumnProduct
+from ..ops import ColumnProduct, RowProduct
 from ..ops.columns import slot_dtype
 from ..store.reader import DEFAULT_MERGE_GAP_BYTES
 from .base import method_class, register_method
@@ -206,15 +206,29 @@ class SparseMLP(Selection, FlashMLP):
         share of those units it keeps: here the down half of a bundle, `k_out` of the neurons."""
         return {self.d_model: self.k_out / self.d_ff}
 
+    def row_products_needed(self) -> tuple[int, ...]:
+        """Width of each row product the method computes (kept units' rows dotted with the tokens): here
+        the other projection's half of a bundle."""
+        return (self.d_model,)
+
     def measure_products(self) -> None:
-        """Choose, by timing them here, how each column product is computed (`ColumnProduct`)."""
+        """Choose, by timing them here, how each column and row product is computed (`ColumnProduct`,
+        `RowProduct`)."""
+        dtype = self.runtime.store.dtype
         for width, density in self.column_products_needed().items():
-            self.column_products[width] = ColumnProduct.measure(self.runtime.store.dtype, width, density)
+            self.column_products[width] = ColumnProduct.measure(dtype, width, density)
+        for width in self.row_products_needed():
+            self.row_products[width] = RowProduct.measure(dtype, width)
 
     def _product(self, width: int) -> ColumnProduct:
         if width not in self.column_products:
             self.measure_products()
         return self.column_products[width]
+
+    def _row_product(self, width: int) -> RowProduct:
+        if width not in self.row_products:
+            self.measure_products()
+        return self.row_products[width]
 
     def __init__(
         self,
@@ -243,6 +257,8 @@ class SparseMLP(Selection, FlashMLP):
         self.column_products: dict[int, ColumnProduct] = {}
         """The measured implementation of each width of column product this method computes
         (`measure_products`, which `build` calls at load; else measured on first use)."""
+        self.row_products: dict[int, RowProduct] = {}
+        """The same for its row products."""
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -480,10 +496,10 @@ class SparseMLP(Selection, FlashMLP):
         """Stage 2 over bundles (row j of the other projection | down column j): the sum over kept j
         of `a_j * other_act(row_j · x) * down_j`."""
         d = self.d_model
-        product = self._product(d)
+        product, row_product = self._product(d), self._row_product(d)
         out = x.new_zeros(x.shape[0], d, dtype=torch.float32)
         for rows, ids, index in parts:
-            other = F.linear(x, (rows if index is None else rows.index_select(0, index))[:, :d])
+            other = row_product(x, rows[:, :d], index)
             coef = (a[:, ids] * other_act(other) * mask[:, ids]).float()
             product(out, coef, rows[:, d:], index)
         return out.to(x.dtype)
@@ -509,6 +525,9 @@ class DIPMLP(DIPSelection, SparseMLP):
     OUTPUT_KIND = "dip_down"
     COLUMN_KINDS = ("dip_in", "dip_down")
     OPTIONS = ("input_density", "cache_aware", "threshold")
+
+    def row_products_needed(self) -> tuple[int, ...]:
+        return ()  # every product of DIP's is a column product
 
     def column_products_needed(self) -> dict[int, float]:
         # a dip_in row (up and gate columns), a down column

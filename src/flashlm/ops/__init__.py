@@ -1,5 +1,5 @@
 """Compute operators of the streamed MLPs that torch does not serve well on every CPU."""
 
-from .columns import ColumnProduct
+from .columns import ColumnProduct, RowProduct
 
-__all__ = ["ColumnProduct"]
+__all__ = ["ColumnProduct", "RowProduct"]

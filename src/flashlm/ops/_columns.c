@@ -100,6 +100,49 @@ DEFINE_PARALLEL(flashlm_columns_bf16, uint16_t)
 DEFINE_PARALLEL(flashlm_columns_f16, _Float16)
 DEFINE_PARALLEL(flashlm_columns_f32, float)
 
+/* Row dot products, the other half of a neuron-aware operator: each kept unit's row dotted with each
+ * token, the rows read where they lie (never gathered),
+ *
+ *   out[t * ldo + k] = sum_j x[t * ldx + j] * rows[r(k) * ldr + j]    t < T, k < n, j < width
+ *
+ * with r(k) = index[k], or k without an index. x and out are float32; rows are bf16, fp16 or fp32,
+ * converted as they are read. Rows are split between the threads of the OpenMP team; each dot keeps
+ * LANES partial sums (independent vector lanes, no reassociation needed to vectorize) and adds them
+ * in a fixed tree, so results do not depend on the thread count. */
+#define LANES 32
+
+#define DEFINE_DOTS(NAME, ELEM, CONVERT)                                                              \
+    static void NAME##_range(const float *x, int64_t ldx, int64_t T, const ELEM *rows, int64_t ldr,  \
+                             const int64_t *index, int64_t width, float *out, int64_t ldo, int64_t k0,   \
+                             int64_t k1) {                                                            \
+        for (int64_t k = k0; k < k1; k++) {                                                           \
+            const ELEM *r = rows + (index ? index[k] : k) * ldr;                                      \
+            for (int64_t t = 0; t < T; t++) {                                                         \
+                const float *xt = x + t * ldx;                                                        \
+                float acc[LANES] = {0};                                                               \
+                int64_t j = 0;                                                                        \
+                for (; j + LANES <= width; j += LANES)                                                \
+                    for (int l = 0; l < LANES; l++) acc[l] += xt[j + l] * CONVERT(r[j + l]);          \
+                for (int l = 0; j < width; j++, l++) acc[l] += xt[j] * CONVERT(r[j]);                 \
+                for (int half = LANES / 2; half > 0; half /= 2)                                       \
+                    for (int l = 0; l < half; l++) acc[l] += acc[l + half];                           \
+                out[t * ldo + k] = acc[0];                                                            \
+            }                                                                                         \
+        }                                                                                             \
+    }                                                                                                 \
+    void NAME(const float *x, int64_t ldx, int64_t T, const ELEM *rows, int64_t ldr,                  \
+              const int64_t *index, int64_t n, int64_t width, float *out, int64_t ldo) {              \
+        _Pragma("omp parallel if (n * width >= PARALLEL_MIN)") {                                      \
+            const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();                    \
+            const int64_t k0 = n * me / team, k1 = n * (me + 1) / team;                               \
+            if (k1 > k0) NAME##_range(x, ldx, T, rows, ldr, index, width, out, ldo, k0, k1);          \
+        }                                                                                             \
+    }
+
+DEFINE_DOTS(flashlm_dots_bf16, uint16_t, bf16_to_float)
+DEFINE_DOTS(flashlm_dots_f16, _Float16, f16_to_float)
+DEFINE_DOTS(flashlm_dots_f32, float, f32_to_float)
+
 /* Evict [p, p + nbytes) from every cache level, so the next product reads it from memory as a decode
  * step does (the caches of a streamed model hold far more than the CPU's caches). x86 only; elsewhere a
  * no-op, and the measurement is of cache-resident rows. */

@@ -19,6 +19,10 @@ chooses, by measurement on the machine at hand, between:
 Each is timed once per (dtype, width, token bucket) when a runtime asks for it
 (`ColumnProduct.measure`): one token (decode) and `PREFILL_TOKENS` tokens (a prompt). Accumulation
 is in fp32 whatever the path.
+
+The transposed product, kept rows dotted with the tokens (`x @ rows[index].T`: a neuron bundle's gate
+and up rows), is `RowProduct`: the same library's row kernel, which reads each row where it lies, or
+torch's gather and `F.linear`, measured the same way for one token.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ def _native_functions() -> dict[torch.dtype, Callable] | None:
     )
     for function in functions.values():
         function.restype = _I
+    functions["dots"] = typed_functions(library, "flashlm_dots", [_P, _I, _I, _P, _I, _P, _I, _I, _P, _I])
     library.flashlm_flush.argtypes = [_P, _I]
     library.flashlm_flush.restype = None
     functions["flush"] = library.flashlm_flush
@@ -130,6 +135,33 @@ def native(
         raise IndexError(f"coef_ids must lie in [0, {coef.shape[1]}).")
 
 
+def native_dots(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, index: torch.Tensor | None) -> None:
+    """`out = x @ rows[index].T` (`out[t, k]` the dot of token t with row `index[k]`) with the C kernel,
+    the rows read where they lie; `x` and `out` float32 on the CPU, `rows` with unit column stride."""
+    functions = _native_functions()
+    if functions is None:
+        raise RuntimeError("The native row kernel is not available here (no C compiler, or disabled).")
+    n = rows.shape[0] if index is None else index.shape[0]
+    if x.dtype != torch.float32 or out.dtype != torch.float32 or out.shape != (x.shape[0], n):
+        raise ValueError(f"out {tuple(out.shape)} = x {tuple(x.shape)} @ {n} rows: float32, shapes agreeing.")
+    if x.shape[1] != rows.shape[1] or rows.stride(1) != 1 or x.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("x and rows must have the same width and unit column stride.")
+    if index is not None and (index.dtype != torch.int64 or index.dim() != 1 or not index.is_contiguous()):
+        raise ValueError("index must be a contiguous 1-D int64 tensor.")
+    functions["dots"][rows.dtype](
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[0],
+        rows.data_ptr(),
+        rows.stride(0),
+        None if index is None else index.data_ptr(),
+        n,
+        rows.shape[1],
+        out.data_ptr(),
+        out.stride(0),
+    )
+
+
 def torch_mm(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
     """`out += coef @ rows` with torch's matmul in the rows' dtype (rows gathered already)."""
     out += torch.mm(coef.to(rows.dtype), rows)
@@ -185,6 +217,60 @@ class ColumnProduct:
         native kernel skips the others, torch's products do not). Memoized per 5% of density, and
         remembered in flashlm's cache per machine (`MEASUREMENTS`): later loads reuse the choice."""
         return _measure(dtype, width, torch.get_num_threads(), round(min(max(density, 0.05), 1.0) * 20) / 20)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowProduct:
+    """The measured choice of implementation for a few tokens' dots with kept unit rows,
+    `x @ rows[index].T` (a bundle's gate and up rows: the input side of PowerInfer's neuron-aware
+    operator): `native` reads each row where it lies (`_columns.c`), `torch` gathers the rows and
+    calls `F.linear`. A prompt's many tokens always take `torch` (one matrix product). Call it as
+    `product(x, rows, index)`; the result is `[T, n]` in `x`'s dtype, rounded as `F.linear` rounds."""
+
+    decode: str
+    timings_ms: dict[str, float]
+
+    def __call__(
+        self, x: torch.Tensor, rows: torch.Tensor, index: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.decode == "native" and x.shape[0] <= DECODE_MAX_TOKENS and rows.device.type == "cpu":
+            out = torch.empty(x.shape[0], rows.shape[0] if index is None else index.shape[0])
+            native_dots(out, x.float(), rows, index)
+            return out.to(x.dtype)
+        return torch.nn.functional.linear(x, rows if index is None else rows.index_select(0, index))
+
+    @classmethod
+    def measure(cls, dtype: torch.dtype, width: int) -> RowProduct:
+        """Time both on a synthetic matrix of `width`-wide rows, every other one kept, one token; memoized
+        and remembered per machine as `ColumnProduct.measure` is."""
+        return _measure_rows(dtype, width, torch.get_num_threads())
+
+
+ROW_MEASUREMENTS = "row_products.json"
+"""File in flashlm's cache that remembers each machine's `RowProduct` choices (see `MEASUREMENTS`)."""
+
+
+@functools.cache
+def _measure_rows(dtype: torch.dtype, width: int, threads: int) -> RowProduct:
+    key = _machine_key(dtype, width, threads, 0.5)
+    if (entry := recall(ROW_MEASUREMENTS, key)) is not None:
+        try:
+            return RowProduct(**entry)
+        except TypeError:
+            pass  # an entry of another shape: measure again
+    generator = torch.Generator().manual_seed(0)
+    # Rows twice as wide as the dots, as a bundle's gate half is a slice of its row.
+    rows = torch.randn(2 * _sample_rows(width), 2 * width, generator=generator, dtype=torch.float32).to(dtype)
+    kept = rows[:, :width]
+    index = torch.arange(0, rows.shape[0], 2)
+    x = torch.randn(1, width, generator=generator, dtype=torch.float32).to(dtype)
+    candidates = {"torch": lambda: RowProduct("torch", {})(x, kept, index)}
+    if _native_functions() is not None:
+        candidates["native"] = lambda: RowProduct("native", {})(x, kept, index)
+    timings = {name: 1e3 * _time(run, cold=rows) for name, run in candidates.items()}
+    product = RowProduct(min(timings, key=timings.get), timings)
+    remember(ROW_MEASUREMENTS, key, dataclasses.asdict(product))
+    return product
 
 
 FP32_SLOT_MARGIN = 1.25
