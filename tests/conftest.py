@@ -319,6 +319,50 @@ def smollm2_store(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.fixture
+def materialized_keys(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The checkpoint keys transformers' loader materializes from now on (every `get_tensor` and every
+    read through `get_slice`), recorded in the returned list."""
+    import transformers.modeling_utils as modeling_utils
+
+    materialized: list[str] = []
+    real_safe_open = modeling_utils.safe_open
+
+    class RecordingSlice:
+        def __init__(self, key, inner):
+            self.key, self.inner = key, inner
+
+        def __getitem__(self, index):
+            materialized.append(self.key)
+            return self.inner[index]
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    class RecordingFile:
+        def __init__(self, *args, **kwargs):
+            self.inner = real_safe_open(*args, **kwargs)
+
+        def get_slice(self, key):
+            return RecordingSlice(key, self.inner.get_slice(key))
+
+        def get_tensor(self, key):
+            materialized.append(key)
+            return self.inner.get_tensor(key)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+    monkeypatch.setattr(modeling_utils, "safe_open", RecordingFile)
+    return materialized
+
+
+@pytest.fixture
 def direct_dir(tmp_path: Path) -> Iterator[Path]:
     """A directory whose file system accepts O_DIRECT (tmp_path may be tmpfs, which refuses it)."""
     from flashlm.store.disk import supports_direct

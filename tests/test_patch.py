@@ -136,58 +136,21 @@ def test_patch_and_unpatch_loaded_model(arch, make_tiny_checkpoint, tmp_path):
         assert torch.equal(restored[key], value), key
 
 
-def test_from_pretrained_never_reads_mlp_weights(make_tiny_checkpoint, tmp_path, monkeypatch):
+def test_from_pretrained_never_reads_mlp_weights(make_tiny_checkpoint, tmp_path, materialized_keys):
     """Tensor accounting: every checkpoint tensor transformers materializes is recorded."""
-    import transformers.modeling_utils as modeling_utils
-
     path = make_tiny_checkpoint("llama", dtype=torch.float32)
     flashlm.convert(path, tmp_path / "store", progress=False)
-    materialized: list[str] = []
-    real_safe_open = modeling_utils.safe_open
-
-    class RecordingSlice:
-        def __init__(self, key, inner):
-            self.key, self.inner = key, inner
-
-        def __getitem__(self, index):
-            materialized.append(self.key)
-            return self.inner[index]
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-    class RecordingFile:
-        def __init__(self, *args, **kwargs):
-            self.inner = real_safe_open(*args, **kwargs)
-
-        def get_slice(self, key):
-            return RecordingSlice(key, self.inner.get_slice(key))
-
-        def get_tensor(self, key):
-            materialized.append(key)
-            return self.inner.get_tensor(key)
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-    monkeypatch.setattr(modeling_utils, "safe_open", RecordingFile)
     AutoModelForCausalLM.from_pretrained(path)
-    dense_keys = set(materialized)
+    dense_keys = set(materialized_keys)
     assert any(".mlp." in key for key in dense_keys), "the accounting must see MLP reads of a plain load"
 
-    materialized.clear()
+    materialized_keys.clear()
     model = AutoModelForCausalLM.from_pretrained(
         path, quantization_config=flashlm.FlashConfig(store=str(tmp_path / "store"), memory_budget="10MB")
     )
-    assert materialized, "the accounting must see the non-MLP reads"
-    assert not [key for key in materialized if ".mlp." in key]
-    assert set(materialized) == {key for key in dense_keys if ".mlp." not in key}
+    assert materialized_keys, "the accounting must see the non-MLP reads"
+    assert not [key for key in materialized_keys if ".mlp." in key]
+    assert set(materialized_keys) == {key for key in dense_keys if ".mlp." not in key}
     assert not [name for name, _ in model.named_parameters() if ".mlp." in name]
 
 

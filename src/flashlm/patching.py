@@ -61,7 +61,11 @@ def replace_modules(model: nn.Module, store: object, config: FlashConfig) -> tup
 
 def patch_for_loading(model: nn.Module, checkpoint_dir: str | Path, config: FlashConfig) -> list[str]:
     """Swap `model`'s modules (still on the meta device) for flashlm's, reading the checkpoint's store
-    (converted first if missing); returns the checkpoint keys that are no longer parameters."""
+    (converted first if missing); returns the checkpoint keys that are no longer parameters. A relufied
+    checkpoint (built from its `buildable_config`) gets its FATReLU thresholds back first."""
+    from .training.checkpoints import restore_relufication
+
+    restore_relufication(model)
     store = replacer_of(config).open_store(model, config, Path(checkpoint_dir))
     return replace_modules(model, store, config)[1]
 

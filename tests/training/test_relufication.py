@@ -48,7 +48,7 @@ def test_relufy_swaps_every_activation_and_no_other_module(arch):
     assert all(name.endswith(spec.act) for name in replaced)
     for name, module in after.items():
         if name in replaced:
-            assert isinstance(module, FATReLU) and module.threshold.item() == 0.25
+            assert isinstance(module, FATReLU) and module.threshold == 0.25
             assert not isinstance(before[name], FATReLU)
         else:
             assert module is before[name], f"{name} changed"
@@ -67,7 +67,7 @@ def test_relufy_records_relu_and_per_layer_thresholds():
     assert model.config.hidden_act == "relu"
     assert model.config.relufication == {"activation": "relu", "thresholds": [0.0, 0.0], "replaces": "silu"}
     relufy(model, [0.1, 0.3])  # relufying again changes only the thresholds; the replaced act stays silu
-    assert [a.module.threshold.item() for a in activations(model)] == pytest.approx([0.1, 0.3])
+    assert [a.module.threshold for a in activations(model)] == pytest.approx([0.1, 0.3])
     assert model.config.relufication["replaces"] == "silu" and model.config.hidden_act == "fatrelu"
     with pytest.raises(ConfigError, match="one threshold per MLP layer"):
         relufy(model, [0.1, 0.2, 0.3])

@@ -108,7 +108,7 @@ def test_the_saved_checkpoint_reloads_with_identical_logits(tmp_path, thresholds
     assert torch.equal(_logits(load_checkpoint(saved), ids), expected)  # recognises the record itself
     assert all(isinstance(a.module, FATReLU) for a in activations(reloaded))
     expected_thresholds = [0.0, 0.0] if thresholds == 0.0 else thresholds
-    assert [a.module.threshold.item() for a in activations(reloaded)] == pytest.approx(expected_thresholds)
+    assert [a.module.threshold for a in activations(reloaded)] == pytest.approx(expected_thresholds)
     assert next(reloaded.parameters()).dtype == dtype
     config = json.loads((saved / "config.json").read_text())
     assert config["relufication"]["replaces"] == "silu"
@@ -165,7 +165,7 @@ def test_the_recipe_relufies_trains_saves_and_measures(tiny_dir, tmp_path, capsy
     log = read_log(out / TRAIN_DIR / LOG_NAME)
     assert [r["step"] for r in log] == list(range(1, 7))
     model = load_relufied(out / MODEL_DIR)
-    assert [a.module.threshold.item() for a in activations(model)] == pytest.approx(report["thresholds"])
+    assert [a.module.threshold for a in activations(model)] == pytest.approx(report["thresholds"])
     assert (out / MODEL_DIR / "tokenizer.json").is_file()
     # run again, unchanged: the run is complete, so it only saves and measures again
     assert main([*argv[:-1], "--no-eval"]) == 0

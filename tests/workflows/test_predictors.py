@@ -112,9 +112,38 @@ def test_a_relufied_checkpoint_trains_with_its_thresholds_and_streams_after_patc
     patched = flashlm.patch(load_checkpoint(path), config, progress=False)
     modules = streaming_mlps(patched)
     assert [type(m.act) for m in modules] == [FATReLU, FATReLU]
-    assert [m.act.threshold.item() for m in modules] == pytest.approx([0.05, 0.1])
+    assert [m.act.threshold for m in modules] == pytest.approx([0.05, 0.1])
     ids = torch.randint(3, 30, (1, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         streamed, dense = patched(ids).logits, loaded(ids).logits
     assert streamed.shape == dense.shape and torch.isfinite(streamed).all()
     assert 0 < flashlm.stats(patched).totals()["density"] < 1
+
+
+def test_a_relufied_checkpoint_streams_through_from_pretrained_with_its_thresholds(
+    tmp_path, materialized_keys
+):
+    """`load_streaming` builds a relufied checkpoint from its buildable config; the loader puts the
+    FATReLU thresholds back before the MLPs are swapped, so no MLP weight is read and dense streaming
+    is the relufied model."""
+    from conftest import build_tiny_model
+
+    from flashlm.eval.perplexity import load_streaming
+    from flashlm.training.activations import FATReLU, relufy
+    from flashlm.training.checkpoints import load_checkpoint
+    from flashlm.training.relufy import save_relufied
+
+    model = build_tiny_model("llama").float()
+    relufy(model, [0.05, 0.1])
+    path = save_relufied(model, tmp_path / "relufied")
+    reference = load_checkpoint(path)
+    flashlm.convert(path, tmp_path / "store", progress=False)
+    materialized_keys.clear()
+    streamed = load_streaming(path, flashlm.FlashConfig(store=str(tmp_path / "store"), memory_budget=10**7))
+    assert materialized_keys and not [key for key in materialized_keys if ".mlp." in key]
+    modules = streaming_mlps(streamed)
+    assert [type(m.act) for m in modules] == [FATReLU, FATReLU]
+    assert [m.act.threshold for m in modules] == pytest.approx([0.05, 0.1])
+    ids = torch.randint(3, 30, (2, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(streamed(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)

@@ -18,9 +18,8 @@ same greedy loop: one prefill forward, then one forward per new token, each time
   are saved there (`flashlm.trace`).
 
 A relufied checkpoint (`flashlm train relufy`: FATReLU, which transformers cannot build from its
-config) loads with its thresholds in every kind (`flashlm.training.relufy.load_checkpoint`), and the
-`flashlm` kind then patches it in memory (its dense MLP weights are loaded first, so its peak RSS
-counts them).
+config) loads with its thresholds in every kind (`flashlm.training.checkpoints.load_checkpoint`; the
+`flashlm` kind through `load_streaming`, which never reads its MLP weights either).
 
 Bytes read per token come from `/proc/self/io` read_bytes (what the process really fetched from
 storage) and, for flashlm, from the reader's own counter. `"model"` in the dict overrides the model

@@ -226,15 +226,13 @@ def load_model(
 
 def load_streaming(path: str | os.PathLike, config: FlashConfig, **kwargs: Any) -> torch.nn.Module:
     """The checkpoint at `path` with flashlm's MLPs (`config`), eval mode: through `from_pretrained`,
-    which never loads the MLPs; a relufied checkpoint, which `from_pretrained` cannot build, is loaded
-    whole with its FATReLU thresholds and then patched. `kwargs` go to `from_pretrained`."""
+    which never loads the MLPs; a relufied checkpoint is built from its `buildable_config` (the loader
+    puts its FATReLU thresholds back before the MLPs are swapped). `kwargs` go to `from_pretrained`."""
     from transformers import AutoModelForCausalLM
 
-    from ..patching import patch
-    from ..training.checkpoints import is_relufied_checkpoint, load_checkpoint
+    from ..training.checkpoints import buildable_config
 
-    if is_relufied_checkpoint(path):
-        return patch(load_checkpoint(path, **kwargs), config, progress=False).eval()
+    kwargs.setdefault("config", buildable_config(path))
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, **kwargs).eval()
 
 

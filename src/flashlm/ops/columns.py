@@ -234,7 +234,8 @@ class RowProduct:
         self, x: torch.Tensor, rows: torch.Tensor, index: torch.Tensor | None = None
     ) -> torch.Tensor:
         if self.decode == "native" and x.shape[0] <= DECODE_MAX_TOKENS and rows.device.type == "cpu":
-            out = torch.empty(x.shape[0], rows.shape[0] if index is None else index.shape[0])
+            n = rows.shape[0] if index is None else index.shape[0]
+            out = torch.empty(x.shape[0], n, dtype=torch.float32)  # whatever the default dtype
             native_dots(out, x.float(), rows, index)
             return out.to(x.dtype)
         return torch.nn.functional.linear(x, rows if index is None else rows.index_select(0, index))

@@ -43,9 +43,9 @@ class FATReLU(nn.Module):
     """`x` where `x > threshold`, exactly `0` elsewhere (threshold >= 0; threshold 0 is ReLU).
 
     The zero is a true +0.0 (`torch.where`, not a product that could give -0.0), so "exactly zero"
-    counts are unambiguous. `threshold` is a buffer that is not persistent: the checkpoint records
-    the thresholds in `config.json` (`relufication.thresholds`), keeping the weights file the
-    architecture's ordinary tensors. `replaces` names the activation it took the place of in
+    counts are unambiguous. `threshold` is not in the weights: the checkpoint records the thresholds
+    in `config.json` (`relufication.thresholds`), keeping the weights file the architecture's
+    ordinary tensors. `replaces` names the activation it took the place of in
     `transformers.activations.ACT2FN`, which `dense_activations` puts back.
     """
 
@@ -54,14 +54,17 @@ class FATReLU(nn.Module):
         threshold = float(threshold)
         if not threshold >= 0:
             raise ConfigError(f"A FATReLU threshold must be >= 0 (0 is ReLU), got {threshold}.")
-        self.register_buffer("threshold", torch.tensor(threshold), persistent=False)
+        self.threshold = threshold
+        """A number, not a buffer: transformers' loader replaces every non-persistent buffer with an
+        uninitialized one after loading, and a relufied model's MLPs are swapped while it is on the meta
+        device (`restore_relufication`)."""
         self.replaces = replaces
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.where(x > self.threshold, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
     def extra_repr(self) -> str:
-        return f"threshold={self.threshold.item():.6g}, replaces={self.replaces!r}"
+        return f"threshold={self.threshold:.6g}, replaces={self.replaces!r}"
 
 
 @dataclass(frozen=True)
