@@ -144,3 +144,28 @@ def test_the_predictors_weights_are_paid_from_the_memory_budget(tmp_path):
         config = flashlm.FlashConfig(method="predictor", store=str(store.path), memory_budget=predictor_bytes)
         transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
     assert info.value.minimum_bytes > predictor_bytes
+
+
+class FixedLogits(torch.nn.Module):
+    """A stand-in predictor whose logits are its input."""
+
+    threshold_logit = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@pytest.mark.parametrize("k_max", [3, 5, 8])
+def test_selection_keeps_at_most_k_max_of_the_predicted_neurons_the_most_likely(k_max):
+    """Above the threshold and among the k_max largest logits of its token: the cap binds only on the
+    first token here (5 predicted), and never at k_max 5 or 8."""
+    from flashlm.methods.selection import PredictorSelection
+
+    selection = PredictorSelection()
+    selection.predictor, selection.k_max, selection.d_ff = FixedLogits(), k_max, 8
+    logits = torch.tensor(
+        [[3.0, -1.0, 2.0, 0.5, 4.0, 1.0, -2.0, -0.5], [-1.0, 0.2, -3.0, -1.0, -1.0, 0, -2.0, -4.0]]
+    )
+    top = logits.topk(k_max, dim=1).values[:, -1:]
+    assert torch.equal(selection.select(logits), (logits >= 0) & (logits >= top))
+    assert selection.select(logits).sum(dim=1).tolist() == [min(5, k_max), 2]

@@ -88,7 +88,9 @@ class PredictorSelection:
         """`[T, d_ff]` mask of the neurons each token is predicted to activate, at most `k_max` of them."""
         logits = self.predictor(x)
         mask = logits >= self.predictor.threshold_logit
-        if self.k_max < self.d_ff:
+        # The cap binds only where a token has more than k_max predicted (else its k_max largest logits
+        # hold every one above the threshold): one count instead of a top-k over every neuron.
+        if self.k_max < self.d_ff and int(mask.sum(dim=1).max()) > self.k_max:
             cut = logits.topk(self.k_max, dim=1).values[:, -1:]
             mask &= logits >= cut
         return mask
