@@ -238,7 +238,9 @@ class RowProduct:
             out = torch.empty(x.shape[0], n, dtype=torch.float32)  # whatever the default dtype
             native_dots(out, x.float(), rows, index)
             return out.to(x.dtype)
-        return torch.nn.functional.linear(x, rows if index is None else rows.index_select(0, index))
+        if index is None:
+            return torch.nn.functional.linear(x, rows)
+        return torch.nn.functional.linear(x, rows.index_select(0, index.to(rows.device)))
 
     @classmethod
     def measure(cls, dtype: torch.dtype, width: int) -> RowProduct:
