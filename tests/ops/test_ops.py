@@ -61,17 +61,27 @@ def test_native_skips_rows_whose_coefficients_are_all_zero() -> None:
 def test_native_is_the_same_on_any_number_of_threads() -> None:
     """Columns are split between threads, each output summed over rows in order: bit-identical."""
     out, coef, rows = operands(1, 2048, 1024, torch.bfloat16, zero_rows=100)
+
+    def run() -> torch.Tensor:
+        target = out.clone()
+        native(target, coef, rows)
+        return target
+
+    results = on_thread_counts(run)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+def on_thread_counts(run) -> list[torch.Tensor]:
+    """`run()`'s results with torch's thread team (which the kernels share) of 1, 2 and 3 threads."""
     threads = torch.get_num_threads()
     results = []
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            target = out.clone()
-            native(target, coef, rows)
-            results.append(target)
+            results.append(run())
     finally:
         torch.set_num_threads(threads)
-    assert all(torch.equal(results[0], r) for r in results[1:])
+    return results
 
 
 @needs_native
@@ -266,16 +276,13 @@ def test_native_dots_match_the_reference(dtype, tokens, n, width) -> None:
 @pytest.mark.exactness
 def test_native_dots_are_the_same_on_any_number_of_threads() -> None:
     x, rows, index = row_operands(1, 4096, 512, torch.bfloat16)
-    threads = torch.get_num_threads()
-    results = []
-    try:
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
-            out = torch.empty(1, index.numel())
-            native_dots(out, x, rows, index)
-            results.append(out)
-    finally:
-        torch.set_num_threads(threads)
+
+    def run() -> torch.Tensor:
+        out = torch.empty(1, index.numel())
+        native_dots(out, x, rows, index)
+        return out
+
+    results = on_thread_counts(run)
     assert all(torch.equal(results[0], r) for r in results[1:])
 
 
