@@ -21,8 +21,9 @@ One command, four parts, written to `<out>/report.md` (and `results.json`):
    neuron uses the hot set covers. The predictors' weights are paid from the same budget.
 5. **Equal perplexity**: DIP-CA on the plain SwiGLU model (no relufication, no training), its
    perplexity swept over `--dip-densities` (token by token, as it decodes); the lowest density whose
-   perplexity is at most the predictor's on every corpus is decoded at the same budget, and the
-   report says which of the two is faster.
+   perplexity is at most the predictor's on every corpus is decoded at the same budget, alternating
+   with the predictor `--verdict-runs` times, and the report says which of the two is faster in
+   every run, or that their runs overlap.
 
     python benchmarks/predictor_results.py --relufied bench-results/relufy/smollm2-fatrelu/model \\
         --out bench-results/predictors
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -45,6 +47,10 @@ DECODE_ROWS = {
     "predictor": {"method": "predictor", "density": 0.5},
     "predictor-window:5": {"method": "predictor", "density": 0.5, "policy": "window", "window": 5},
 }
+
+
+PPL_CONTEXT = 512
+"""Context length of every perplexity measured here."""
 
 
 def load_patched(path: Path, options: dict[str, Any]):
@@ -111,10 +117,22 @@ def main() -> None:
         help="densities of DIP-CA on the plain model searched for the predictor's perplexity (each one "
         "decodes --ppl-tokens tokens of every corpus, reading its misses: minutes apiece)",
     )
+    parser.add_argument(
+        "--verdict-runs",
+        type=int,
+        default=3,
+        help="decodes of the predictor and of the equal-perplexity DIP-CA row, alternating, for the verdict",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results/predictors"))
     args = parser.parse_args()
     if args.relufied is None:
         parser.error("--relufied is required")
+    if args.ppl_tokens < PPL_CONTEXT:  # checked before minutes of training, not after
+        parser.error(
+            f"--ppl-tokens must be at least one window of context {PPL_CONTEXT}, got {args.ppl_tokens}"
+        )
+    if args.verdict_runs < 1:
+        parser.error(f"--verdict-runs must be at least 1, got {args.verdict_runs}")
 
     import torch
     from transformers import AutoConfig, AutoTokenizer
@@ -182,14 +200,18 @@ def main() -> None:
         model = load()
         ppl[name] = {
             corpus: perplexity(
-                model, corpus_tokens(corpus, tokenizer), num_tokens=args.ppl_tokens, progress=False
+                model,
+                corpus_tokens(corpus, tokenizer),
+                context_length=PPL_CONTEXT,
+                num_tokens=args.ppl_tokens,
+                progress=False,
             ).perplexity
             for corpus in corpora
         }
         del model
     results["perplexity"] = ppl
     report += [
-        f"## Perplexity ({args.ppl_tokens} tokens of each test split, context 512)",
+        f"## Perplexity ({args.ppl_tokens} tokens of each test split, context {PPL_CONTEXT})",
         "",
         "| model | " + " | ".join(corpora) + " |",
         "|---|" + "---|" * len(corpora),
@@ -205,6 +227,7 @@ def main() -> None:
         methods=["dip-ca"],
         densities=[float(d) for d in args.dip_densities.split(",")],
         corpora=corpora,
+        context_length=PPL_CONTEXT,
         num_tokens=args.ppl_tokens,
         memory_budget=args.memory_budget,
         out_dir=args.out / "dip-ca-sweep",
@@ -254,16 +277,24 @@ def main() -> None:
         }
         models[equal_row] = swiglu
     with tempfile.TemporaryDirectory() as offload:  # `flashlm.eval.decode`, as `flashlm bench` runs rows
-        decoded = {
-            name: run_in_subprocess(
-                {"name": name, "kind": "flashlm", "options": spec},
-                models[name],
-                new_tokens=args.new_tokens,
-                offload_dir=Path(offload),
+
+        def decode(name: str) -> dict[str, Any]:
+            spec = {"name": name, "kind": "flashlm", "options": specs[name]}
+            return run_in_subprocess(
+                spec, models[name], new_tokens=args.new_tokens, offload_dir=Path(offload)
             )
-            for name, spec in specs.items()
-        }
+
+        decoded = {name: decode(name) for name in specs}
+        # The verdict compares two rows on a noisy machine: more runs of both, alternating, so that a
+        # slow spell of the machine does not land on one row only.
+        verdict_runs = {"predictor": [decoded["predictor"]["decode_tok_s"]]}
+        if equal_row is not None:
+            verdict_runs[equal_row] = [decoded[equal_row]["decode_tok_s"]]
+            for _ in range(args.verdict_runs - 1):
+                for name in verdict_runs:
+                    verdict_runs[name].append(decode(name)["decode_tok_s"])
     results["decode"] = decoded
+    results["verdict_runs"] = verdict_runs
     config = AutoConfig.from_pretrained(args.relufied)
     d_ff_total = config.intermediate_size * config.num_hidden_layers
     dense = decoded["dense"]["decode_tok_s"]
@@ -286,13 +317,21 @@ def main() -> None:
             f"| {r['hit_rate']:.1%} | {hot_set_cell(r.get('hot_set'))} |"
         )
     if equal_row is not None:
-        predictor, rival = decoded["predictor"]["decode_tok_s"], decoded[equal_row]["decode_tok_s"]
-        verdict = "faster than" if predictor > rival else "slower than"
+        ours, theirs = verdict_runs["predictor"], verdict_runs[equal_row]
+        predictor, rival = statistics.median(ours), statistics.median(theirs)
+        if min(ours) > max(theirs):
+            verdict = "faster than it in every run"
+        elif max(ours) < min(theirs):
+            verdict = "slower than it in every run"
+        else:
+            verdict = "neither faster nor slower: the runs overlap"
+        runs = ", ".join(f"{a:.2f} / {b:.2f}" for a, b in zip(ours, theirs, strict=True))
         report += [
             "",
             f"At equal memory and at most the predictor's perplexity, the relufied model with its predictor "
-            f"decodes {predictor:.2f} tok/s: {predictor / rival:.2f}x {equal_row} ({rival:.2f} tok/s), "
-            f"i.e. {verdict} it.",
+            f"decodes {predictor:.2f} tok/s (median of {len(ours)} runs, alternating with the rival's): "
+            f"{predictor / rival:.2f}x {equal_row} ({rival:.2f} tok/s), {verdict} "
+            f"(predictor / rival tok/s per run: {runs}).",
         ]
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (args.out / "report.md").write_text("\n".join(report) + "\n")
