@@ -169,3 +169,41 @@ def test_selection_keeps_at_most_k_max_of_the_predicted_neurons_the_most_likely(
     top = logits.topk(k_max, dim=1).values[:, -1:]
     assert torch.equal(selection.select(logits), (logits >= 0) & (logits >= top))
     assert selection.select(logits).sum(dim=1).tolist() == [min(5, k_max), 2]
+
+
+def test_under_transformers_loader_the_predictors_are_read_once(tmp_path, monkeypatch):
+    """At patching only their shapes are read (the loader allocates the modules' tensors itself);
+    `reset_state` then reads the saved weights into place."""
+    import flashlm.predictors.model as predictors_model
+
+    model, path = relu_checkpoint("llama", tmp_path)
+    store = flashlm.convert(path, tmp_path / "store", progress=False)
+    exact_predictors(model).save(store.path)
+    read_at_patching: list[str] = []
+    real_safe_open = predictors_model.safe_open
+
+    class RecordingFile:
+        def __init__(self, *args, **kwargs):
+            self.inner = real_safe_open(*args, **kwargs)
+
+        def get_tensor(self, name):
+            read_at_patching.append(name)
+            return self.inner.get_tensor(name)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+    monkeypatch.setattr(predictors_model, "safe_open", RecordingFile)
+    patched = load(path, store.path, density=0.5)
+    assert read_at_patching == []
+    saved = Predictors.load(store.path)
+    for module, predictor in zip(streaming_mlps(patched), saved, strict=True):
+        loaded = module.predictor.state_dict()
+        assert all(torch.equal(loaded[key], value) for key, value in predictor.state_dict().items())
+        assert not any(p.is_meta for p in module.predictor.parameters())

@@ -103,12 +103,15 @@ class MLPReplacer(Replacer):
         method_class(config.method).check_store(store, config)
         cls = module_class(config)
         store = add_kinds(store, cls.store_kinds(store))
-        with torch.device("cpu"):  # transformers builds the model under a meta-device context
-            fitted = cls.load_fitted(store)
-            runtime = cls.make_runtime(store, config, fitted)
         _, _, first_mlp = owners[0]
-        if any(parameter.is_meta for parameter in first_mlp.parameters()):
-            # Only transformers' loader hands over MLPs without weights (`patch` reads them).
+        # Only transformers' loader hands over MLPs without weights (`patch` reads them). It replaces the
+        # modules' buffers and fitted weights after loading, so they are built on the meta device then,
+        # and `reset_state` fills the loader's.
+        loading = any(parameter.is_meta for parameter in first_mlp.parameters())
+        with torch.device("cpu"):  # transformers builds the model under a meta-device context
+            fitted = cls.load_fitted(store, device=torch.device("meta" if loading else "cpu"))
+            runtime = cls.make_runtime(store, config, fitted)
+        if loading:
             runtime.slot_device = torch.device("meta")
         targets = []
         for layer, owner_name, owner in owners:
@@ -216,9 +219,10 @@ class FlashMLP(MethodModule):
         at density 1, where the module is dense streaming)."""
 
     @classmethod
-    def load_fitted(cls, store: Store) -> Any:
+    def load_fitted(cls, store: Store, *, device: torch.device) -> Any:
         """What the method fitted on data and saved beside the store (DIP's calibration, the activation
-        predictors), loaded once for every layer's module; None where it needs nothing."""
+        predictors), loaded once for every layer's module; None where it needs nothing. Its tensors go
+        to `device`: the meta device under transformers' loader, where only their shapes are read."""
         return None
 
     @classmethod

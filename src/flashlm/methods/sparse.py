@@ -170,8 +170,8 @@ class SparseMLP(Selection, FlashMLP):
             )
 
     @classmethod
-    def load_fitted(cls, store: Store) -> Calibration | None:
-        return Calibration.load(store.path, store.content_sha256)
+    def load_fitted(cls, store: Store, *, device: torch.device) -> Calibration | None:
+        return Calibration.load(store.path, store.content_sha256)  # numbers, no tensors
 
     @classmethod
     def make_runtime(cls, store: Store, config: FlashConfig, fitted: Calibration | None) -> FlashRuntime:

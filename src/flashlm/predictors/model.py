@@ -34,6 +34,7 @@ from torch import nn
 from .._version import __version__
 from ..errors import PredictorsNotFoundError, StoreCorruptError, StoreMismatchError
 from ..store import Store
+from ..store.format import dtype_of_safetensors_name
 from .labels import LabelRule
 
 PREDICTORS_FILE = "predictors.safetensors"
@@ -242,7 +243,9 @@ class Predictors(nn.Module):
 
     @classmethod
     def load(cls, store: Store | str | os.PathLike, *, device: torch.device | str = "cpu") -> Predictors:
-        """The predictors saved in `store`, checked against its weights.
+        """The predictors saved in `store`, checked against its weights, on `device`. On the meta device
+        only their shapes and dtypes are read (for transformers' loader, which allocates them itself and
+        whose `reset_state` reads them once).
 
         Raises `PredictorsNotFoundError` when the store has none, `StoreMismatchError` when they were
         trained on other weights or dimensions, and `StoreCorruptError` when the file is damaged.
@@ -259,7 +262,10 @@ class Predictors(nn.Module):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 metadata = json.loads((f.metadata() or {})[_METADATA_KEY])
-                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
+                if torch.device(device).type == "meta":
+                    tensors = {name: _meta_tensor(f.get_slice(name)) for name in f.keys()}  # noqa: SIM118
+                else:
+                    tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
             if metadata.get("format") != FORMAT or metadata.get("format_version") != FORMAT_VERSION:
                 raise ValueError(f"format {metadata.get('format')!r} v{metadata.get('format_version')!r}")
             layers_meta = metadata["layers"]
@@ -294,6 +300,11 @@ class Predictors(nn.Module):
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise StoreCorruptError(f"The predictors file {path} is inconsistent ({exc}). {retrain}") from exc
         return predictors.to(device)
+
+
+def _meta_tensor(saved: Any) -> torch.Tensor:
+    """A meta tensor of the shape and dtype of a saved tensor (a safetensors slice), nothing read."""
+    return torch.empty(saved.get_shape(), dtype=dtype_of_safetensors_name(saved.get_dtype()), device="meta")
 
 
 def _open(store: Store | str | os.PathLike) -> Store:

@@ -133,6 +133,15 @@ _SAFETENSORS_DTYPES = {
     torch.uint8: "U8",
 }
 
+
+def dtype_of_safetensors_name(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name (`"BF16"`), among those flashlm writes."""
+    for dtype, safetensors_name in _SAFETENSORS_DTYPES.items():
+        if safetensors_name == name:
+            return dtype
+    raise ValueError(f"unsupported safetensors dtype {name!r}")
+
+
 _CONVERT_HINT = "convert it with `flashlm convert SRC DST` (or `flashlm.store.convert(src, dst)`)"
 _RECONVERT_HINT = "Delete the store and convert again."
 
