@@ -138,16 +138,13 @@ class PredictorMLP(PredictorSelection, FlashMLP):
 
     @torch.no_grad()
     def reset_state(self) -> None:
-        """Also the predictor's weights, read once from beside the store (checked against it at patching:
-        they were built on the meta device) into the place of the loader's placeholders, on the device
-        the loader put the caches on."""
+        """Also the predictor's weights, read once from beside the store (checked against it at patching,
+        where they were built on the meta device) into the loader's placeholders."""
         super().reset_state()
         prefix = f"layers.{self.layer}."
         with safe_open(str(self.runtime.store.path / PREDICTORS_FILE), framework="pt", device="cpu") as saved:
             names = [name for name in saved.keys() if name.startswith(prefix)]  # noqa: SIM118 (not a dict)
-            weights = {name[len(prefix) :]: saved.get_tensor(name) for name in names}
-        self.predictor.load_state_dict(weights, assign=True)
-        self.predictor.to(self.bundle_cache.rows.device)
+            self.predictor.load_state_dict({name[len(prefix) :]: saved.get_tensor(name) for name in names})
 
     def own_state_keys(self) -> list[str]:
         return [f"predictor.{key}" for key in self.predictor.state_dict()]
