@@ -318,21 +318,18 @@ def smollm2_store(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def materialized_keys(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The checkpoint keys transformers' loader materializes from now on (every `get_tensor` and every
-    read through `get_slice`), recorded in the returned list."""
-    import transformers.modeling_utils as modeling_utils
-
-    materialized: list[str] = []
-    real_safe_open = modeling_utils.safe_open
+def record_tensor_reads(monkeypatch: pytest.MonkeyPatch, module) -> list[str]:
+    """The keys of the tensors read through `module.safe_open` from now on (every `get_tensor`, and every
+    read through `get_slice`; a slice's shape and dtype are not reads), recorded in the returned list."""
+    reads: list[str] = []
+    real_safe_open = module.safe_open
 
     class RecordingSlice:
         def __init__(self, key, inner):
             self.key, self.inner = key, inner
 
         def __getitem__(self, index):
-            materialized.append(self.key)
+            reads.append(self.key)
             return self.inner[index]
 
         def __getattr__(self, name):
@@ -346,7 +343,7 @@ def materialized_keys(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             return RecordingSlice(key, self.inner.get_slice(key))
 
         def get_tensor(self, key):
-            materialized.append(key)
+            reads.append(key)
             return self.inner.get_tensor(key)
 
         def __getattr__(self, name):
@@ -358,8 +355,16 @@ def materialized_keys(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         def __exit__(self, *exc):
             return self.inner.__exit__(*exc)
 
-    monkeypatch.setattr(modeling_utils, "safe_open", RecordingFile)
-    return materialized
+    monkeypatch.setattr(module, "safe_open", RecordingFile)
+    return reads
+
+
+@pytest.fixture
+def materialized_keys(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The checkpoint keys transformers' loader materializes from now on (`record_tensor_reads`)."""
+    import transformers.modeling_utils as modeling_utils
+
+    return record_tensor_reads(monkeypatch, modeling_utils)
 
 
 @pytest.fixture

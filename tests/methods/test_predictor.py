@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import tiny_config
+from conftest import record_tensor_reads, tiny_config
 from safetensors.torch import load_file
 
 import flashlm
@@ -179,27 +179,7 @@ def test_under_transformers_loader_the_predictors_are_read_once(tmp_path, monkey
     model, path = relu_checkpoint("llama", tmp_path)
     store = flashlm.convert(path, tmp_path / "store", progress=False)
     exact_predictors(model).save(store.path)
-    read_at_patching: list[str] = []
-    real_safe_open = predictors_model.safe_open
-
-    class RecordingFile:
-        def __init__(self, *args, **kwargs):
-            self.inner = real_safe_open(*args, **kwargs)
-
-        def get_tensor(self, name):
-            read_at_patching.append(name)
-            return self.inner.get_tensor(name)
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-    monkeypatch.setattr(predictors_model, "safe_open", RecordingFile)
+    read_at_patching = record_tensor_reads(monkeypatch, predictors_model)
     patched = load(path, store.path, density=0.5)
     assert read_at_patching == []
     saved = Predictors.load(store.path)
