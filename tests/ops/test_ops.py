@@ -300,11 +300,9 @@ def test_native_dots_reject_operands_they_cannot_read() -> None:
         native_dots(out, x, rows, index.int())
 
 
-@pytest.mark.parametrize("name", ["native", "torch"])
+@pytest.mark.parametrize("name", [pytest.param("native", marks=needs_native), "torch"])
 @pytest.mark.parametrize("tokens", [1, 40])  # a prompt's tokens always take torch's product
 def test_row_product_rounds_as_f_linear_does(name, tokens) -> None:
-    if name == "native" and columns._native_functions() is None:
-        pytest.skip("no C compiler here: the native row kernel is not built")
     x, rows, index = row_operands(tokens, 200, 96, torch.bfloat16)
     x = x.bfloat16()
     result = RowProduct(name, {})(x, rows, index)
