@@ -15,7 +15,7 @@ import flashlm
 
 PACKAGE = Path(flashlm.__file__).parent
 LAYERS = [
-    {"errors", "_version", "_utils", "_native", "_measurements", "registry", "arch", "data"},
+    {"errors", "_version", "_utils", "_native", "_measurements", "registry", "arch", "activations", "data"},
     {"store", "cache", "ops", "endor", "predictors"},
     {"engine"},
     {"methods"},

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers.quantizers.auto import AutoHfQuantizer
 
+from .activations import restore_relufication
 from .arch import model_type_of, spec_for
 from .config import FlashConfig
 from .engine.runtime import Runtime
@@ -63,8 +64,6 @@ def patch_for_loading(model: nn.Module, checkpoint_dir: str | Path, config: Flas
     """Swap `model`'s modules (still on the meta device) for flashlm's, reading the checkpoint's store
     (converted first if missing); returns the checkpoint keys that are no longer parameters. A relufied
     checkpoint (built from its `buildable_config`) gets its FATReLU thresholds back first."""
-    from .training.checkpoints import restore_relufication
-
     restore_relufication(model)
     store = replacer_of(config).open_store(model, config, Path(checkpoint_dir))
     return replace_modules(model, store, config)[1]

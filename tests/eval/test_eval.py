@@ -715,9 +715,9 @@ def test_the_decode_harness_loads_a_relufied_checkpoint_in_every_kind(tmp_path) 
     patched by flashlm, whose dense streaming gives the same greedy tokens."""
     from conftest import build_tiny_model, save_word_tokenizer
 
+    from flashlm.activations import relufy
     from flashlm.eval.bench import mlp_bytes
     from flashlm.eval.decode import measure_decode
-    from flashlm.training.activations import relufy
     from flashlm.training.relufy import save_relufied
 
     model = build_tiny_model("llama")

@@ -1,4 +1,4 @@
-"""ReLU / FATReLU in place of the MLP activation (`flashlm.training.activations`)."""
+"""ReLU / FATReLU in place of the MLP activation (`flashlm.activations`)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,7 @@ import torch
 from conftest import build_tiny_model
 from torch import nn
 
-from flashlm.arch import find_mlps, model_type_of, spec_for
-from flashlm.errors import ConfigError
-from flashlm.training.activations import (
+from flashlm.activations import (
     FATReLU,
     ZeroCounter,
     activations,
@@ -19,6 +17,8 @@ from flashlm.training.activations import (
     relufy,
     zero_fractions,
 )
+from flashlm.arch import find_mlps, model_type_of, spec_for
+from flashlm.errors import ConfigError
 
 ARCHS = ["llama", "qwen2", "phi3", "gemma", "gemma3", "opt", "falcon"]
 

@@ -18,9 +18,9 @@ import torch
 from conftest import build_tiny_model, save_word_tokenizer
 from transformers import AutoModelForCausalLM
 
+from flashlm.activations import FATReLU, activations, relufy
 from flashlm.cli.main import main as flashlm_main
 from flashlm.data.corpora import CorpusNotFoundError, require
-from flashlm.training.activations import FATReLU, activations, relufy
 from flashlm.training.checkpoints import NotRelufiedError, load_checkpoint, load_relufied
 from flashlm.training.relufy import (
     MODEL_DIR,

@@ -93,7 +93,7 @@ def test_a_relufied_checkpoint_trains_with_its_thresholds_and_streams_after_patc
     and the patched model keeps the FATReLU modules."""
     from conftest import build_tiny_model
 
-    from flashlm.training.activations import FATReLU, relufy
+    from flashlm.activations import FATReLU, relufy
     from flashlm.training.checkpoints import load_checkpoint
     from flashlm.training.relufy import save_relufied
 
@@ -128,8 +128,8 @@ def test_a_relufied_checkpoint_streams_through_from_pretrained_with_its_threshol
     is the relufied model."""
     from conftest import build_tiny_model
 
+    from flashlm.activations import FATReLU, relufy
     from flashlm.eval.perplexity import load_streaming
-    from flashlm.training.activations import FATReLU, relufy
     from flashlm.training.checkpoints import load_checkpoint
     from flashlm.training.relufy import save_relufied
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .activations import CONFIG_FIELD, RELU, relufy
+from ..activations import CONFIG_FIELD, RELU, restore_relufication
 from .trainer import TrainingError
 
 
@@ -44,18 +44,6 @@ def load_relufied(path: str | os.PathLike, *, dtype: torch.dtype | None = None, 
     model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
     restore_relufication(model)
     return model.eval()
-
-
-def restore_relufication(model: nn.Module) -> bool:
-    """Install the FATReLU thresholds `model.config` records (`relufication`) on a model built from a
-    relufied checkpoint's `buildable_config` (plain ReLU in their place); False, and nothing done, for
-    a config without that record. Works on the meta device: transformers' loader calls it (through
-    `flashlm.patching.patch_for_loading`) before the MLPs are swapped, so they take the thresholds."""
-    record = getattr(model.config, CONFIG_FIELD, None)
-    if not isinstance(record, dict) or "thresholds" not in record:
-        return False
-    relufy(model, record["thresholds"])
-    return True
 
 
 def buildable_config(path: str | os.PathLike) -> Any:

@@ -54,8 +54,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ..errors import ConfigError, FlashLMError
-from .activations import (
+from ..activations import (
     FATRELU,
     RELU,
     ZeroCounter,
@@ -63,6 +62,7 @@ from .activations import (
     dense_activations,
     relufy,
 )
+from ..errors import ConfigError, FlashLMError
 from .checkpoints import (
     load_relufied,
 )
@@ -340,7 +340,7 @@ def _thresholds(
     """The thresholds of this run: reused from `OUT/thresholds.json` when a previous start wrote them."""
     from accelerate.utils import broadcast_object_list
 
-    from .activations import activations
+    from ..activations import activations
 
     path = Path(options.output_dir) / THRESHOLDS_NAME
     layers = len(activations(model))

@@ -18,6 +18,11 @@ works, including OPT and Falcon, whose plain MLPs have one activation after `fc1
   gate pre-activations on calibration text, so each layer starts with `target` of its outputs zero.
 - `ZeroCounter` / `zero_fractions`: forward hooks on the activation modules that count exact zeros
   per layer, on held-out text.
+- `restore_relufication(model)`: the thresholds a relufied checkpoint's config records, put back on a
+  model built with plain ReLU (transformers cannot build FATReLU); the loader calls it before patching.
+
+It sits at the bottom of the package, beside `arch`, because loading a relufied model needs it as
+much as the relufication recipe (`flashlm.training`) does.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..arch import MLPSpec, find_mlps, model_type_of, spec_for
-from ..errors import ConfigError
+from .arch import MLPSpec, find_mlps, model_type_of, spec_for
+from .errors import ConfigError
 
 RELU = "relu"
 FATRELU = "fatrelu"
@@ -331,3 +336,15 @@ def zero_fractions(
     finally:
         model.train(was_training)
     return counter.overall(), counter.fractions()
+
+
+def restore_relufication(model: nn.Module) -> bool:
+    """Install the FATReLU thresholds `model.config` records (`relufication`) on a model built from a
+    relufied checkpoint's `buildable_config` (plain ReLU in their place); False, and nothing done, for
+    a config without that record. Works on the meta device: transformers' loader calls it (through
+    `flashlm.patching.patch_for_loading`) before the MLPs are swapped, so they take the thresholds."""
+    record = getattr(model.config, CONFIG_FIELD, None)
+    if not isinstance(record, dict) or "thresholds" not in record:
+        return False
+    relufy(model, record["thresholds"])
+    return True
