@@ -315,12 +315,12 @@ def test_row_product_measure_picks_the_faster_and_remembers_it(monkeypatch, tmp_
     monkeypatch.setenv("FLASHLM_CACHE", str(tmp_path))
     columns._measure_rows.cache_clear()
     try:
-        product = RowProduct.measure(torch.bfloat16, 64)
+        product = RowProduct.measure(torch.bfloat16, 64, 100)
         expected = {"torch", "native"} if columns._native_functions() is not None else {"torch"}
         assert set(product.timings_ms) == expected
         assert product.timings_ms[product.decode] == min(product.timings_ms.values())
         columns._measure_rows.cache_clear()
         monkeypatch.setattr(columns, "_time", lambda *args, **kwargs: pytest.fail("measured again"))
-        assert RowProduct.measure(torch.bfloat16, 64) == product
+        assert RowProduct.measure(torch.bfloat16, 64, 100) == product
     finally:
         columns._measure_rows.cache_clear()

@@ -87,8 +87,9 @@ class PredictorMLP(PredictorSelection, FlashMLP):
         self.down_product = ColumnProduct.measure(self.bundle_cache.rows.dtype, d_model, down_density)
         """How `sum_j coef_j down_j` is computed over bundles where they lie (`ColumnProduct`), measured
         for the share of predicted neurons that fire (`down_density`: the predictor's precision)."""
-        self.input_product = RowProduct.measure(self.bundle_cache.rows.dtype, d_model)
-        """How a bundle's gate and up rows are dotted with the tokens where they lie (`RowProduct`)."""
+        self.input_product = RowProduct.measure(self.bundle_cache.rows.dtype, d_model, k_max // 2)
+        """How a bundle's gate and up rows are dotted with the tokens where they lie (`RowProduct`), for
+        calls of about half the kept neurons (the hits, then the misses)."""
 
     # ---- how the engine builds it -----------------------------------------------------------
 

@@ -218,7 +218,7 @@ class SparseMLP(Selection, FlashMLP):
         for width, density in self.column_products_needed().items():
             self.column_products[width] = ColumnProduct.measure(dtype, width, density)
         for width in self.row_products_needed():
-            self.row_products[width] = RowProduct.measure(dtype, width)
+            self.row_products[width] = RowProduct.measure(dtype, width, self.k_out // 2)  # hits, then misses
 
     def _product(self, width: int) -> ColumnProduct:
         if width not in self.column_products:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import math
 import os
 import platform
 import time
@@ -243,10 +244,13 @@ class RowProduct:
         return torch.nn.functional.linear(x, rows.index_select(0, index.to(rows.device)))
 
     @classmethod
-    def measure(cls, dtype: torch.dtype, width: int) -> RowProduct:
-        """Time both on a synthetic matrix of `width`-wide rows, every other one kept, one token; memoized
-        and remembered per machine as `ColumnProduct.measure` is."""
-        return _measure_rows(dtype, width, torch.get_num_threads())
+    def measure(cls, dtype: torch.dtype, width: int, rows: int) -> RowProduct:
+        """Time both for one token's dots with about `rows` kept rows of `width` (what one call of the
+        method computes: the call's size decides, as torch's product has a fixed cost the native kernel
+        does not), the rows scattered in a matrix twice as wide and evicted from the CPU caches first;
+        memoized and remembered per machine as `ColumnProduct.measure` is, per power of two of rows."""
+        bucket = 1 << max(0, round(math.log2(max(rows, 1))))
+        return _measure_rows(dtype, width, bucket, torch.get_num_threads())
 
 
 ROW_MEASUREMENTS = "row_products.json"
@@ -254,23 +258,22 @@ ROW_MEASUREMENTS = "row_products.json"
 
 
 @functools.cache
-def _measure_rows(dtype: torch.dtype, width: int, threads: int) -> RowProduct:
-    key = _machine_key(dtype, width, threads, 0.5)
+def _measure_rows(dtype: torch.dtype, width: int, rows: int, threads: int) -> RowProduct:
+    key = f"{_machine_key(dtype, width, threads, 1.0)}|rows={rows}"
     if (entry := recall(ROW_MEASUREMENTS, key)) is not None:
         try:
             return RowProduct(**entry)
         except TypeError:
             pass  # an entry of another shape: measure again
     generator = torch.Generator().manual_seed(0)
-    # Rows twice as wide as the dots, as a bundle's gate half is a slice of its row.
-    rows = torch.randn(2 * _sample_rows(width), 2 * width, generator=generator, dtype=torch.float32).to(dtype)
-    kept = rows[:, :width]
-    index = torch.arange(0, rows.shape[0], 2)
+    # The kept rows, every other one of a matrix, each a slice of a row twice as wide (a bundle's half).
+    matrix = torch.randn(2 * rows, 2 * width, generator=generator, dtype=torch.float32).to(dtype)
+    kept, index = matrix[:, :width], torch.arange(0, 2 * rows, 2)
     x = torch.randn(1, width, generator=generator, dtype=torch.float32).to(dtype)
     candidates = {"torch": lambda: RowProduct("torch", {})(x, kept, index)}
     if _native_functions() is not None:
         candidates["native"] = lambda: RowProduct("native", {})(x, kept, index)
-    timings = {name: 1e3 * _time(run, cold=rows) for name, run in candidates.items()}
+    timings = {name: 1e3 * _time(run, repeats=21, cold=matrix) for name, run in candidates.items()}
     product = RowProduct(min(timings, key=timings.get), timings)
     remember(ROW_MEASUREMENTS, key, dataclasses.asdict(product))
     return product
