@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ._utils import cache_dir
 from .errors import CacheDirError
+
+T = TypeVar("T")
 
 
 def _path(name: str) -> Path | None:
@@ -24,14 +27,20 @@ def _path(name: str) -> Path | None:
         return None  # an unwritable cache: measure at every load
 
 
-def recall(name: str, key: str) -> dict[str, Any] | None:
-    """The entry remembered under `key` in measurements file `name`, or None."""
+def recall(name: str, key: str, kind: Callable[..., T]) -> T | None:
+    """The entry remembered under `key` in measurements file `name`, as `kind(**entry)`; None where there
+    is none, or one of another shape (a file of an older flashlm): measure again, and rewrite it."""
     path = _path(name)
     try:
         entry = json.loads(path.read_text())[key] if path is not None else None
     except (OSError, ValueError, KeyError, TypeError):
-        return None  # missing or damaged: measure again (and rewrite it)
-    return entry if isinstance(entry, dict) else None
+        return None  # missing or damaged
+    if not isinstance(entry, dict):
+        return None
+    try:
+        return kind(**entry)
+    except TypeError:
+        return None
 
 
 def remember(name: str, key: str, entry: dict[str, Any]) -> None:

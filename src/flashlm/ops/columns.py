@@ -260,11 +260,8 @@ ROW_MEASUREMENTS = "row_products.json"
 @functools.cache
 def _measure_rows(dtype: torch.dtype, width: int, rows: int, threads: int) -> RowProduct:
     key = f"{_machine_key(dtype, width, threads, 1.0)}|rows={rows}"
-    if (entry := recall(ROW_MEASUREMENTS, key)) is not None:
-        try:
-            return RowProduct(**entry)
-        except TypeError:
-            pass  # an entry of another shape: measure again
+    if (known := recall(ROW_MEASUREMENTS, key, RowProduct)) is not None:
+        return known
     generator = torch.Generator().manual_seed(0)
     # The kept rows, every other one of a matrix, each a slice of a row twice as wide (a bundle's half).
     matrix = torch.randn(2 * rows, 2 * width, generator=generator, dtype=torch.float32).to(dtype)
@@ -342,11 +339,8 @@ def _machine_key(dtype: torch.dtype, width: int, threads: int, density: float) -
 def _measure(dtype: torch.dtype, width: int, threads: int, density: float) -> ColumnProduct:
     """`ColumnProduct.measure`, memoized per torch thread count too, and remembered per machine."""
     key = _machine_key(dtype, width, threads, density)
-    if (entry := recall(MEASUREMENTS, key)) is not None:
-        try:
-            return ColumnProduct(**entry)
-        except TypeError:
-            pass  # an entry of another shape: measure again
+    if (known := recall(MEASUREMENTS, key, ColumnProduct)) is not None:
+        return known
     candidates = (
         ["native", "torch", "torch-fp32"] if _native_functions() is not None else ["torch", "torch-fp32"]
     )

@@ -188,11 +188,8 @@ def disk_profile(paths: Sequence[Path]) -> DiskProfile | None:
         return None
     device = os.stat(paths[0]).st_dev
     key = f"{os.uname().nodename}|{os.major(device)}:{os.minor(device)}"
-    if (entry := recall(DISK_PROFILES, key)) is not None:
-        try:
-            return DiskProfile(**entry)
-        except TypeError:
-            pass  # an entry of another shape: measure again
+    if (known := recall(DISK_PROFILES, key, DiskProfile)) is not None:
+        return known
     try:
         profile = measure_disk(paths)
     except (OSError, ValueError):
