@@ -1,4 +1,5 @@
-"""ReLU / FATReLU in place of the MLP activation (`flashlm.activations`)."""
+"""ReLU / FATReLU in place of the MLP activation (`flashlm.activations`) and the recipe's tools around it
+(`flashlm.training.activations`)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,10 @@ import torch
 from conftest import build_tiny_model
 from torch import nn
 
-from flashlm.activations import (
-    FATReLU,
-    ZeroCounter,
-    activations,
-    calibrate_thresholds,
-    dense_activations,
-    is_relufied,
-    relufy,
-    zero_fractions,
-)
+from flashlm.activations import FATReLU, activations, is_relufied, relufy
 from flashlm.arch import find_mlps, model_type_of, spec_for
 from flashlm.errors import ConfigError
+from flashlm.training.activations import ZeroCounter, calibrate_thresholds, dense_activations, zero_fractions
 
 ARCHS = ["llama", "qwen2", "phi3", "gemma", "gemma3", "opt", "falcon"]
 

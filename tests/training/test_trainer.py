@@ -13,8 +13,9 @@ import transformers
 from conftest import tiny_config
 from torch import nn
 
-from flashlm.activations import dense_activations, relufy
+from flashlm.activations import relufy
 from flashlm.errors import ConfigError
+from flashlm.training.activations import dense_activations
 from flashlm.training.data import SequenceSampler, pack
 from flashlm.training.trainer import (
     LOG_NAME,

@@ -10,9 +10,9 @@ It builds on everything below it (`flashlm.arch` to find the MLPs, `flashlm.data
   gradient accumulation, checkpoints that survive a kill and resume to the same loss curve, a JSON
   log per step. Runs unchanged in one process or under `accelerate launch`.
 - `data`: corpus splits packed into fixed-length training sequences; a stateless sampler.
-- re-exported from `flashlm.activations`: `FATReLU`, `relufy` (swap every MLP activation),
-  `dense_activations` (swap back, for an in-place teacher), `calibrate_thresholds`, exact-zero
-  counting (`ZeroCounter`).
+- `activations`: `dense_activations` (swap back, for an in-place teacher), `calibrate_thresholds`,
+  exact-zero counting (`ZeroCounter`); and, re-exported from `flashlm.activations`, `FATReLU` and
+  `relufy` (swap every MLP activation).
 - `relufy`: the relufication recipe (`python -m flashlm.training.relufy`, `flashlm train relufy`) and
   `flashlm.training.checkpoints.load_relufied(path)` (or `load_checkpoint`, for any checkpoint) for
   its FATReLU checkpoints.
@@ -22,14 +22,8 @@ It builds on everything below it (`flashlm.arch` to find the MLPs, `flashlm.data
 
 from __future__ import annotations
 
-from ..activations import (
-    FATReLU,
-    ZeroCounter,
-    calibrate_thresholds,
-    dense_activations,
-    relufy,
-    zero_fractions,
-)
+from ..activations import FATReLU, relufy
+from .activations import ZeroCounter, calibrate_thresholds, dense_activations, zero_fractions
 from .trainer import (
     ModelTeacher,
     ResumeMismatchError,

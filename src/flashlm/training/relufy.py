@@ -54,15 +54,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ..activations import (
-    FATRELU,
-    RELU,
-    ZeroCounter,
-    calibrate_thresholds,
-    dense_activations,
-    relufy,
-)
+from ..activations import FATRELU, RELU, relufy
 from ..errors import ConfigError, FlashLMError
+from .activations import ZeroCounter, calibrate_thresholds, dense_activations
 from .checkpoints import (
     load_relufied,
 )
