@@ -134,14 +134,6 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def dtype_of_safetensors_name(name: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype name (`"BF16"`), among those flashlm writes."""
-    for dtype, safetensors_name in _SAFETENSORS_DTYPES.items():
-        if safetensors_name == name:
-            return dtype
-    raise ValueError(f"unsupported safetensors dtype {name!r}")
-
-
 _CONVERT_HINT = "convert it with `flashlm convert SRC DST` (or `flashlm.store.convert(src, dst)`)"
 _RECONVERT_HINT = "Delete the store and convert again."
 
@@ -168,6 +160,14 @@ def dtype_from_name(name: str) -> torch.dtype:
         supported = ", ".join(dtype_name(d) for d in _SAFETENSORS_DTYPES)
         raise ValueError(f"A store cannot hold dtype {name!r}; supported: {supported}.")
     return dtype
+
+
+def dtype_of_safetensors_name(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name (`"BF16"`), among those flashlm writes."""
+    for dtype, safetensors_name in _SAFETENSORS_DTYPES.items():
+        if safetensors_name == name:
+            return dtype
+    raise ValueError(f"unsupported safetensors dtype {name!r}")
 
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
