@@ -57,6 +57,22 @@ FIELDS = ("step", "layer", *COUNTER_FIELDS, *TIME_FIELDS)
 _VALUE_FIELDS = FIELDS[2:]
 
 
+@dataclass
+class StageTimes:
+    """A forward's times and read counts, summed over its stages (the `StatsRecorder.record` fields a
+    method accumulates as it goes)."""
+
+    select_s: float = 0.0
+    lookup_s: float = 0.0
+    submit_s: float = 0.0
+    io_s: float = 0.0
+    update_s: float = 0.0
+    compute_s: float = 0.0
+    io_busy_s: float = 0.0
+    bytes_read: int = 0
+    reads: int = 0
+
+
 class StatsRecorder:
     """Appends one row per (step, layer); cheap enough for the decode hot path."""
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
 from time import perf_counter
 from typing import TYPE_CHECKING, ClassVar
 
@@ -47,6 +46,7 @@ from torch import nn
 
 from ..cache import NeuronCache
 from ..engine.runtime import FlashRuntime
+from ..engine.stats import StageTimes
 from ..errors import ConfigError, UnsupportedArchitectureError
 from ..ops import ColumnProduct, RowProduct
 from ..ops.columns import slot_dtype
@@ -70,19 +70,6 @@ Parts = Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 place is indexed by the unit ids themselves)."""
 
 
-@dataclass
-class _StageTimes:
-    select_s: float = 0.0
-    lookup_s: float = 0.0
-    submit_s: float = 0.0
-    io_s: float = 0.0
-    update_s: float = 0.0
-    compute_s: float = 0.0
-    io_busy_s: float = 0.0
-    bytes_read: int = 0
-    reads: int = 0
-
-
 class _Parts:
     """A stage's rows: the cached ones at once, then the misses once their read (in flight) lands
     (for a kind read ahead: every uncached unit, a superset the coefficients mask).
@@ -98,7 +85,7 @@ class _Parts:
         pending: Future,
         kind: str,
         miss_ids: torch.Tensor,
-        times: _StageTimes,
+        times: StageTimes,
         whole: torch.Tensor | None = None,
     ) -> None:
         self.cached = (cached_rows, cached_ids)
@@ -289,7 +276,7 @@ class SparseMLP(Selection, FlashMLP):
         x = self._tokens_of(hidden_states)
         tokens = x.shape[0]
         before = self.counters()
-        times = _StageTimes()
+        times = StageTimes()
         sequential = tokens > 1 and runtime.config.sequential_prefill
 
         early = None
@@ -349,7 +336,7 @@ class SparseMLP(Selection, FlashMLP):
         return out.reshape(hidden_states.shape)
 
     @staticmethod
-    def _timed(times: _StageTimes, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _timed(times: StageTimes, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         """`compute()`, its time added to `compute_s` less the read wait inside it (counted as I/O)."""
         started, io_before = perf_counter(), times.io_s
         result = compute()
@@ -362,7 +349,7 @@ class SparseMLP(Selection, FlashMLP):
         cache: NeuronCache,
         select,
         values: torch.Tensor,
-        times: _StageTimes,
+        times: StageTimes,
         sequential: bool,
         early: Future[LayerFetch] | None = None,
     ):
@@ -431,7 +418,7 @@ class SparseMLP(Selection, FlashMLP):
         ids = runtime.unit_ids[: cache.num_units] if mask is None else union_ids(mask)
         runtime.guess(following, self.INPUT_KIND, cache.missing(ids), buffer)
 
-    def _sequential_stage(self, kind, cache: NeuronCache, select, values: torch.Tensor, times: _StageTimes):
+    def _sequential_stage(self, kind, cache: NeuronCache, select, values: torch.Tensor, times: StageTimes):
         """Read the whole matrix, then select and update the cache token by token, as decoding would."""
         runtime, layer = self.runtime, self.layer
         all_ids = runtime.unit_ids[: cache.num_units]
