@@ -24,7 +24,7 @@ from .methods import METHODS
 
 QUANT_METHOD = "flashlm"
 THRESHOLDS = ("token", "layer", "global")
-CACHE_SPLITS = ("read-cost", "size")
+CACHE_SPLITS = ("read-cost", "size", "profile")
 PERSISTED_OPTIONS = (
     "method",
     "density",
@@ -127,9 +127,12 @@ class FlashConfig(QuantizationConfigMixin):
             give (`flashlm.store.disk.disk_profile`); without O_DIRECT, the reader's defaults.
         io_chunk_bytes: longest single read (a multiple of 4096). `None` takes the measured default.
         cache_split: how the budget's cache bytes are shared between unit kinds: `"read-cost"`
-            (default) fills first the caches whose misses cost the disk most bytes per unit byte
-            (small units under-fill a 4 KiB page), `"size"` shares in proportion to each cache's
-            full size.
+            fills first the caches whose misses cost the disk most bytes per unit byte (small units
+            under-fill a 4 KiB page), `"size"` shares in proportion to each cache's full size,
+            `"profile"` gives the slots to the units a unit profile (`flashlm profile`) says save the
+            most disk bytes, across kinds and layers. `None` (default): the method's choice,
+            `"profile"` for `predictor-gate` (whose gate rows are used several times as often as its
+            up_down rows), `"read-cost"` for the others.
         hot_share: share of the cache's bytes pinned to the units the method needs most often,
             PowerInfer's hot set (its §6): read at load and never evicted, while the rest of each cache
             follows `policy`. The placement solver (`flashlm.cache.placement`) picks them across layers
@@ -168,7 +171,7 @@ class FlashConfig(QuantizationConfigMixin):
         direct_io: bool | None = None,
         io_threads: int | None = None,
         io_chunk_bytes: int | None = None,
-        cache_split: str = "read-cost",
+        cache_split: str | None = None,
         hot_share: float = 0.0,
         read_ahead: bool | None = None,
         sequential_prefill: bool = False,
@@ -237,7 +240,7 @@ class FlashConfig(QuantizationConfigMixin):
             raise ConfigError(
                 f"io_chunk_bytes must be a positive multiple of 4096 or None, got {self.io_chunk_bytes!r}."
             )
-        if self.cache_split not in CACHE_SPLITS:
+        if self.cache_split is not None and self.cache_split not in CACHE_SPLITS:
             raise ConfigError(
                 f"Unknown cache_split {self.cache_split!r}. Available: {', '.join(CACHE_SPLITS)}."
             )

@@ -406,8 +406,11 @@ def build_caches(plan: BudgetPlan, widths, num_units, dtype, policy: str) -> lis
     overhead=st.integers(0, 5000),
     extra=st.integers(0, 200_000),
     costs=st.lists(st.sampled_from([1.0, 1.33, 3.6]), min_size=6, max_size=6),
+    profile_seed=st.one_of(st.none(), st.integers(0, 2**16)),
 )
-def test_budget_is_never_exceeded(layers, dtype, policy: str, overhead: int, extra: int, costs) -> None:
+def test_budget_is_never_exceeded(
+    layers, dtype, policy: str, overhead: int, extra: int, costs, profile_seed
+) -> None:
     num_units = [n for n, _ in layers]
     widths = [w for _, w in layers]
     unit_bytes = [w * torch.empty((), dtype=dtype).element_size() for w in widths]
@@ -421,6 +424,13 @@ def test_budget_is_never_exceeded(layers, dtype, policy: str, overhead: int, ext
         overhead_bytes=overhead,
         policy=policy,
         read_cost=costs[: len(layers)],
+        # a unit profile: some units never used, the others at random rates
+        frequencies=None
+        if profile_seed is None
+        else [
+            torch.rand(n, generator=torch.Generator().manual_seed(profile_seed + i)).sub(0.3).clamp(min=0)
+            for i, n in enumerate(num_units)
+        ],
     )
     caches = build_caches(plan, widths, num_units, dtype, policy)
 
@@ -467,6 +477,37 @@ def test_budget_fills_the_costliest_misses_first() -> None:
     assert by_size.capacities[2] < 50 and by_size.capacities[0] > 25
     with pytest.raises(ConfigError, match="read_cost"):
         split_budget(budget, unit_bytes=unit_bytes, num_units=num_units, overhead_bytes=0, read_cost=[1.0])
+
+
+def test_budget_follows_a_unit_profile() -> None:
+    """With a unit profile, slots go to the units that save the most disk bytes per slot byte, whatever
+    their cache; what no profiled use asks for is then shared by size."""
+    num_units, unit_bytes = [100, 100], [64, 128]
+    fixed = sum(NeuronCache.fixed_bytes(n, "lfu") for n in num_units)
+    slots = [NeuronCache.slot_bytes(u) for u in unit_bytes]
+    # cache 0: 40 units every token, 60 never; cache 1: every unit a tenth of the tokens
+    frequencies = [torch.cat([torch.ones(40), torch.zeros(60)]), torch.full((100,), 0.1)]
+
+    def plan(budget: int):
+        return split_budget(
+            budget,
+            unit_bytes=unit_bytes,
+            num_units=num_units,
+            overhead_bytes=0,
+            policy="lfu",
+            read_cost=[1.0, 1.0],
+            frequencies=frequencies,
+        )
+
+    assert plan(fixed + 40 * slots[0] + 30 * slots[1]).capacities == [40, 30]
+    assert plan(fixed + 20 * slots[0]).capacities == [20, 0]
+    # every used unit fits: the rest of the budget goes by size, here to cache 0's unused units
+    roomy = plan(fixed + 70 * slots[0] + 100 * slots[1])
+    assert roomy.capacities == [70, 100] and roomy.total_bytes <= fixed + 70 * slots[0] + 100 * slots[1]
+    with pytest.raises(ConfigError, match="frequencies"):
+        split_budget(
+            10**6, unit_bytes=unit_bytes, num_units=num_units, overhead_bytes=0, frequencies=[torch.ones(3)]
+        )
 
 
 def test_too_small_budget_names_the_minimum() -> None:

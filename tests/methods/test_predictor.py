@@ -1,6 +1,7 @@
 """`method="predictor"`: only predicted-active bundles are read; with a predictor that never misses, the
 output is the dense model's (ReLU-family activations are exactly zero where it skips); the window cache
-loads only what a token adds; bad input gets specific errors."""
+loads only what a token adds; bad input gets specific errors. `method="predictor-gate"` computes the
+same, reading the up rows and down columns of only the predicted neurons that fire."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import flashlm
 from flashlm.arch import find_mlps, model_type_of, spec_for
 from flashlm.errors import BudgetTooSmallError, ConfigError, StoreMismatchError
 from flashlm.methods import PredictorMLP
+from flashlm.methods.predictor import PredictedGatesMLP
 from flashlm.patching import streaming_mlps
 from flashlm.predictors import LowRankPredictor, Predictors
 
@@ -31,15 +33,16 @@ def relu_checkpoint(name: str, tmp_path) -> tuple[torch.nn.Module, object]:
     return model, path
 
 
-def exact_predictors(model: torch.nn.Module) -> Predictors:
+def exact_predictors(model: torch.nn.Module, threshold_logit: float = 0.0) -> Predictors:
     """Predictors that never miss: rank d_model, reduce = identity, expand = the projection whose sign
-    decides the activation (gate for a gated MLP, up with its bias for a plain one), threshold logit 0."""
+    decides the activation (gate for a gated MLP, up with its bias for a plain one), threshold logit 0
+    (below 0, they also name neurons that do not fire)."""
     spec = spec_for(model_type_of(model.config))
     layers = []
     for _, _, owner in find_mlps(model, spec):
         decides = getattr(owner, spec.gate or spec.up)
         d_ff, d_model = decides.weight.shape
-        predictor = LowRankPredictor(d_model, d_ff, d_model, threshold_logit=0.0)
+        predictor = LowRankPredictor(d_model, d_ff, d_model, threshold_logit=threshold_logit)
         with torch.no_grad():
             predictor.reduce.weight.copy_(torch.eye(d_model))
             predictor.expand.weight.copy_(decides.weight)
@@ -48,20 +51,25 @@ def exact_predictors(model: torch.nn.Module) -> Predictors:
     return Predictors(layers)
 
 
-def load(path, store, **options) -> torch.nn.Module:
-    config = flashlm.FlashConfig(method="predictor", store=str(store), memory_budget=10**7, **options)
+def load(path, store, method="predictor", **options) -> torch.nn.Module:
+    config = flashlm.FlashConfig(method=method, store=str(store), **{"memory_budget": 10**7, **options})
     return transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
 
 
-@pytest.mark.parametrize("name", ["llama", "opt"])
-def test_a_predictor_that_never_misses_reproduces_the_dense_model(name, tmp_path):
+MODULES = {"predictor": PredictorMLP, "predictor-gate": PredictedGatesMLP}
+
+
+@pytest.mark.parametrize(
+    ("name", "method"), [("llama", "predictor"), ("opt", "predictor"), ("llama", "predictor-gate")]
+)
+def test_a_predictor_that_never_misses_reproduces_the_dense_model(name, method, tmp_path):
     model, path = relu_checkpoint(name, tmp_path)
     store = flashlm.convert(path, tmp_path / "store", progress=False)
     exact_predictors(model).save(store.path)
     # density just under 1 (so the method is not dense streaming) yet never capping a token's neurons
     d_ff = store.d_ff
-    patched = load(path, store.path, density=(d_ff - 0.4) / d_ff)
-    assert all(isinstance(m, PredictorMLP) and m.k_max == d_ff for m in streaming_mlps(patched))
+    patched = load(path, store.path, method, density=(d_ff - 0.4) / d_ff, cache_split="size")
+    assert all(isinstance(m, MODULES[method]) and m.k_max == d_ff for m in streaming_mlps(patched))
 
     ids = torch.randint(3, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -100,6 +108,86 @@ def test_only_predicted_bundles_are_read_and_the_window_loads_the_increment(tmp_
     assert all(step["bytes_read"] >= step["misses"] * row_bytes for step in decode)
     assert sum(step["misses"] for step in decode) < sum(step["hits"] + step["misses"] for step in decode)
     assert sum(step["hits"] for step in decode) > 0
+
+
+def test_gate_first_reads_up_and_down_of_only_the_neurons_that_fire(tmp_path):
+    """A predictor that names more neurons than fire: both methods give the same logits and tokens, and
+    the gate-first one reads every predicted gate row but the up_down rows of the firing ones alone."""
+    model, path = relu_checkpoint("llama", tmp_path)
+    store = flashlm.convert(path, tmp_path / "store", progress=False)
+    exact_predictors(model, threshold_logit=-0.05).save(store.path)
+    bundles = load(path, store.path, "predictor", density=0.9, policy="none")
+    gates_first = load(path, store.path, "predictor-gate", density=0.9, policy="none")
+    ids = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(gates_first(ids).logits, bundles(ids).logits, rtol=1e-5, atol=1e-5)
+        expected = bundles.generate(ids, max_new_tokens=5, do_sample=False)
+        assert torch.equal(gates_first.generate(ids, max_new_tokens=5, do_sample=False), expected)
+
+    module = streaming_mlps(gates_first)[0]
+    x = torch.randn(1, store.d_model, generator=torch.Generator().manual_seed(5))
+    predicted = module.select(x)[0]
+    firing = predicted & (module.act(x @ model.model.layers[0].mlp.gate_proj.weight.T)[0] != 0)
+    assert 0 < int(firing.sum()) < int(predicted.sum())  # the predictor names neurons that stay at zero
+    flashlm.stats(gates_first, reset=True)
+    with torch.no_grad():
+        module(x.reshape(1, 1, -1))
+    (step,) = flashlm.stats(gates_first).per_step()
+    opened = flashlm.Store.open(store.path)
+    gate_bytes, up_down_bytes = (opened.row_file(0, kind).row_bytes for kind in ("gate", "up_down"))
+    assert step["misses"] == int(predicted.sum()) + int(firing.sum())  # no cache: every unit is read
+    assert step["used_bytes"] == int(predicted.sum()) * gate_bytes + int(firing.sum()) * up_down_bytes
+    bundle_bytes = opened.row_file(0, "bundle").row_bytes
+    assert step["used_bytes"] < int(predicted.sum()) * bundle_bytes
+
+
+def test_gate_first_shares_its_budget_by_a_unit_profile(tmp_path):
+    """By default predictor-gate splits the cache bytes by a unit profile (none: an error naming the
+    command): the gate rows of predicted neurons are used more often than the up_down rows of the
+    firing ones, so at one budget the gate caches hold more of their layer than the up_down caches."""
+    from flashlm.cache.profile import ProfileMissingError
+    from flashlm.workflows.profile import profile_model
+
+    model, path = relu_checkpoint("llama", tmp_path)
+    store = flashlm.convert(path, tmp_path / "store", progress=False)
+    exact_predictors(model, threshold_logit=-0.3).save(store.path)
+    with pytest.raises(ProfileMissingError, match=r"cache_split='profile' needs .* --method predictor-gate"):
+        load(path, store.path, "predictor-gate", density=0.9)
+    resident = load(path, store.path, "predictor-gate", density=0.9, cache_split="size", record_trace=True)
+    ids = torch.randint(3, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(6))
+    profile = profile_model(resident, ids, corpus="random", context_length=16, progress=False)
+    profile.save(store.path)
+    uses = {
+        kind: sum(float(f.sum()) for (_, k), f in profile.frequencies.items() if k == kind)
+        for kind in ("gate", "up_down")
+    }
+    assert uses["gate"] > 1.5 * uses["up_down"]
+
+    budget = 320_000
+    by_size, by_profile = (
+        streaming_mlps(
+            load(path, store.path, "predictor-gate", density=0.9, cache_split=split, memory_budget=budget)
+        )[0].runtime
+        for split in ("size", None)
+    )
+    for runtime in (by_size, by_profile):
+        assert runtime.resident_bytes() <= budget
+    shares = {
+        split: {
+            kind: sum(c for (_, k), c in r.capacities.items() if k == kind) for kind in ("gate", "up_down")
+        }
+        for split, r in (("size", by_size), ("profile", by_profile))
+    }
+    assert shares["size"]["gate"] == pytest.approx(shares["size"]["up_down"], abs=2)  # each a like share
+    assert shares["profile"]["gate"] > shares["size"]["gate"]
+    assert shares["profile"]["up_down"] < shares["size"]["up_down"]
+
+
+def test_gate_first_needs_a_gate(tmp_path):
+    _, path = relu_checkpoint("opt", tmp_path)
+    store = flashlm.convert(path, tmp_path / "store", progress=False)
+    with pytest.raises(ConfigError, match="no gate projection"):
+        load(path, store.path, "predictor-gate", density=0.5)
 
 
 def test_a_model_whose_activation_is_not_zero_below_zero_is_refused(tmp_path, make_tiny_checkpoint):

@@ -108,12 +108,19 @@ class UnitProfile:
 
     @classmethod
     def load(
-        cls, store_path: str | Path, content_sha256: str, key: dict[str, Any], fitted: dict[str, str]
+        cls,
+        store_path: str | Path,
+        content_sha256: str,
+        key: dict[str, Any],
+        fitted: dict[str, str],
+        *,
+        needed_by: str = "hot_share",
     ) -> UnitProfile:
         """The profile of method configuration `key` saved beside the store whose content hash is
         `content_sha256`, measured with the fitted files `fitted` (`fitted_digests`) as they are now;
         `ProfileMissingError` (naming the command that makes one) if there is none, or it was measured on
-        other weights or under other fitted files, `ConfigError` if the file is damaged."""
+        other weights or under other fitted files, `ConfigError` if the file is damaged. `needed_by`
+        names the option that needs it, for the message."""
         path = cls.path(store_path, key)
         command = (
             f"flashlm profile --store {store_path} --method {key['method']} --density {key['density']:g}"
@@ -121,8 +128,8 @@ class UnitProfile:
         )
         if not path.is_file():
             raise ProfileMissingError(
-                f"hot_share needs a unit profile of {key} for the store {store_path}, and it has none. "
-                f"Measure one with `{command}` (and the model's --model), or set hot_share=0."
+                f"{needed_by} needs a unit profile of {key} for the store {store_path}, and it has none. "
+                f"Measure one with `{command}` (and the model's --model), or do without {needed_by}."
             )
         try:
             with safe_open(path, "pt") as f:

@@ -17,7 +17,8 @@ from ..config import CACHE_SPLITS
 METHOD_HELP = (
     "what each MLP does, a method spec: dense (default), dip, dip-ca (DIP-CA, γ 0.2), dip-ca:GAMMA, "
     "dip-layer, dip-global, glu, gate, up, cats, predictor, predictor-window:K (a sliding window of K "
-    "tokens), endor (a pruned model's decoder linears, Endor-compressed)"
+    "tokens), predictor-gate (the predicted neurons' gate rows first, then up and down of those that "
+    "fire), endor (a pruned model's decoder linears, Endor-compressed)"
 )
 
 
@@ -56,10 +57,11 @@ def _add_runtime_options(parser: argparse.ArgumentParser, *, method: bool = True
     parser.add_argument("--io-threads", type=int, default=None, help="reader threads")
     parser.add_argument(
         "--cache-split",
-        default="read-cost",
+        default=None,
         choices=CACHE_SPLITS,
-        help="how the cache bytes are shared between unit kinds (default read-cost: the kinds whose "
-        "misses cost the disk most per byte first; size: in proportion to each kind's size)",
+        help="how the cache bytes are shared between unit kinds (default: the method's; read-cost: "
+        "the kinds whose misses cost the disk most per byte first; size: in proportion to each "
+        "kind's size; profile: by a unit profile's use of each unit)",
     )
     parser.add_argument(
         "--hot-share",

@@ -182,6 +182,7 @@ class FlashRuntime(Runtime):
         slot_dtypes: dict[str, torch.dtype] | None = None,
         fitted_files: tuple[str, ...] = (),
         fitted_bytes: int = 0,
+        cache_split: str = "read-cost",
     ) -> None:
         dense = kinds is None
         kinds = dense_kinds(store.gated) if dense else kinds
@@ -210,6 +211,11 @@ class FlashRuntime(Runtime):
         self.fitted_bytes = fitted_bytes
         self._cache_keys = list(row_files)
         unit_bytes = [row_files[key].width * self.slot_dtypes[key[1]].itemsize for key in self._cache_keys]
+        split = config.cache_split or cache_split
+        frequencies = None
+        if split == "profile" and not dense and config.policy != NO_CACHE:
+            profile = self._unit_profile(fitted_files, "cache_split='profile'")
+            frequencies = [profile.frequencies[key] for key in self._cache_keys]
         self.plan: BudgetPlan = split_budget(
             self.budget_bytes,
             unit_bytes=unit_bytes,
@@ -218,10 +224,9 @@ class FlashRuntime(Runtime):
             policy=self._policy_name,
             cache_units=config.policy != NO_CACHE,
             read_cost=(
-                [row_files[key].read_amplification for key in self._cache_keys]
-                if config.cache_split == "read-cost"
-                else None
+                None if split == "size" else [row_files[key].read_amplification for key in self._cache_keys]
             ),
+            frequencies=frequencies,
         )
         self.hot_set: Placement | None = None
         """The pinned units of every cache (`FlashConfig.hot_share`), in the order of `_cache_keys`."""
@@ -283,10 +288,8 @@ class FlashRuntime(Runtime):
 
         A cache pins at most its planned capacity, its most frequent units; one that holds every unit
         of its layer pins nothing (everything stays resident there anyway)."""
-        config, store = self.config, self.store
-        profile = UnitProfile.load(
-            store.path, store.content_sha256, profile_key(config), fitted_digests(store.path, fitted_files)
-        )
+        config = self.config
+        profile = self._unit_profile(fitted_files, "hot_share")
         values = []
         for key, capacity in self.capacities.items():
             frequency = profile.frequencies[key].double()
@@ -324,6 +327,18 @@ class FlashRuntime(Runtime):
             100 * self.hot_set_summary["profiled_uses"],
         )
         return placement
+
+    def _unit_profile(self, fitted_files: tuple[str, ...], needed_by: str) -> UnitProfile:
+        """The unit profile of this configuration beside the store (`ProfileMissingError` if there is
+        none: `needed_by` names the option that asked for it)."""
+        store = self.store
+        return UnitProfile.load(
+            store.path,
+            store.content_sha256,
+            profile_key(self.config),
+            fitted_digests(store.path, fitted_files),
+            needed_by=needed_by,
+        )
 
     def make_cache(self, layer: int, kind: str) -> NeuronCache:
         """Layer `layer`'s cache of `kind` units, with the capacity the budget plan gives it (on

@@ -13,10 +13,17 @@ below a threshold) a neuron it rightly skips contributes nothing either, so the 
 the neurons it predicts. The model's activation must be ReLU-like: relufy a SwiGLU model first
 (`flashlm train relufy`). `density` caps the neurons kept per token (the highest logits among the
 predicted ones); at 1.0 every method is dense streaming.
+
+`method="predictor-gate"` reads in two rounds instead, for gated models: the gate rows of the predicted
+neurons first (a third of their bundles), then the up row and down column (`up_down`) of only those
+whose activation `act(gate_j x)` is nonzero. A predicted neuron that does not fire costs a gate row,
+not a bundle; the price is a second read that waits on the first. Both compute the same sum over the
+same neurons (in another order: results agree to rounding).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +31,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ..cache import NeuronCache
 from ..engine.runtime import FlashRuntime
+from ..engine.stats import StageTimes
 from ..errors import ConfigError
 from ..ops import ColumnProduct, RowProduct
 from ..predictors import PREDICTORS_FILE, Predictors
@@ -38,6 +47,7 @@ if TYPE_CHECKING:
     from ..store import Store
 
 BUNDLE = "bundle"
+GATE, UP_DOWN = "gate", "up_down"
 
 
 def zeroes_negatives(act: nn.Module) -> bool:
@@ -48,16 +58,22 @@ def zeroes_negatives(act: nn.Module) -> bool:
         return bool((act(probe) == 0).all())
 
 
-@register_method("predictor")
-class PredictorMLP(PredictorSelection, FlashMLP):
-    """Reads the bundles of the neurons a layer's low-rank predictor names (see the module docstring).
+class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
+    """What the predictor methods share: the layer's predictor, how they are built and loaded. A subclass
+    names its unit kinds and reads them in its `forward`.
 
     Args (beyond `FlashMLP`'s): `predictor`: the layer's `LowRankPredictor` (a submodule: `.to()`
-    moves it); `k_max`: neurons kept per token at most; `up_bias`, `down_bias`: a plain MLP's biases.
+    moves it); `k_max`: neurons kept per token at most; `down_density`: the share of the neurons whose
+    down columns it sums that have a nonzero coefficient (to measure that product for);
+    `up_bias`, `down_bias`: a plain MLP's biases.
     """
 
-    KINDS = (BUNDLE,)
     FITTED_FILES = (PREDICTORS_FILE,)
+    CACHE_SPLIT = "read-cost"
+    """How the budget is shared between the method's caches unless `FlashConfig.cache_split` says."""
+    SUMS_ONLY_FIRING: bool
+    """Whether the down columns summed are only those of neurons that fire (else of every predicted one:
+    the predictor's precision says how many have nonzero coefficients)."""
 
     def __init__(
         self,
@@ -80,16 +96,14 @@ class PredictorMLP(PredictorSelection, FlashMLP):
         )
         self.predictor = predictor
         self.k_max = k_max
-        self.bundle_cache = runtime.make_cache(layer, BUNDLE)
         self.register_buffer("up_bias", up_bias, persistent=False)
         self.register_buffer("down_bias", down_bias, persistent=False)
-        self._row_bytes = runtime.store.row_file(layer, BUNDLE).row_bytes
-        self.down_product = ColumnProduct.measure(self.bundle_cache.rows.dtype, d_model, down_density)
-        """How `sum_j coef_j down_j` is computed over bundles where they lie (`ColumnProduct`), measured
-        for the share of predicted neurons that fire (`down_density`: the predictor's precision)."""
-        self.input_product = RowProduct.measure(self.bundle_cache.rows.dtype, d_model, k_max // 2)
-        """How a bundle's gate and up rows are dotted with the tokens where they lie (`RowProduct`), for
-        calls of about half the kept neurons (the hits, then the misses)."""
+        dtype = runtime.store.dtype
+        self.down_product = ColumnProduct.measure(dtype, d_model, down_density)
+        """How `sum_j coef_j down_j` is computed over rows where they lie (`ColumnProduct`)."""
+        self.input_product = RowProduct.measure(dtype, d_model, k_max // 2)
+        """How gate and up rows are dotted with the tokens where they lie (`RowProduct`), for calls of
+        about half the kept neurons (the hits, then the misses)."""
 
     # ---- how the engine builds it -----------------------------------------------------------
 
@@ -100,7 +114,13 @@ class PredictorMLP(PredictorSelection, FlashMLP):
     @classmethod
     def make_runtime(cls, store: Store, config: FlashConfig, fitted: Any) -> FlashRuntime:
         return FlashRuntime(
-            store, config, cls.KINDS, read_ahead=(), fitted_files=cls.FITTED_FILES, fitted_bytes=fitted.nbytes
+            store,
+            config,
+            cls.KINDS,
+            read_ahead=(),
+            fitted_files=cls.FITTED_FILES,
+            fitted_bytes=fitted.nbytes,
+            cache_split=cls.CACHE_SPLIT,
         )
 
     @classmethod
@@ -112,13 +132,13 @@ class PredictorMLP(PredictorSelection, FlashMLP):
         *,
         fitted: Predictors,
         dense_class: type[nn.Module] | None,
-    ) -> PredictorMLP:
+    ) -> PredictedNeuronsMLP:
         store = runtime.store
         if not zeroes_negatives(act):
             raise ConfigError(
-                f"method='predictor' skips the neurons a predictor expects to be zero, but layer {layer}'s "
-                f"activation ({type(act).__name__}) is not zero below 0, so skipping them changes the "
-                "output. Relufy the model first (`flashlm train relufy`), or use method='dip'."
+                f"method={runtime.config.method!r} skips the neurons a predictor expects to be zero, but "
+                f"layer {layer}'s activation ({type(act).__name__}) is not zero below 0, so skipping them "
+                "changes the output. Relufy the model first (`flashlm train relufy`), or use method='dip'."
             )
         resident = store.resident(layer)
         precision = fitted.reports[layer].precision if layer < len(fitted.reports) else 1.0
@@ -131,7 +151,7 @@ class PredictorMLP(PredictorSelection, FlashMLP):
             d_model=store.d_model,
             d_ff=store.d_ff,
             **selection_options(runtime.config, layer, store.d_model, store.d_ff, None),
-            down_density=precision,
+            down_density=1.0 if cls.SUMS_ONLY_FIRING else precision,
             up_bias=resident.get("up_bias"),
             down_bias=resident.get("down_bias"),
             dense_class=dense_class,
@@ -151,61 +171,111 @@ class PredictorMLP(PredictorSelection, FlashMLP):
         return [f"predictor.{key}" for key in self.predictor.state_dict()]
 
     def extra_repr(self) -> str:
+        capacities = ", ".join(str(cache.capacity) for cache in self.caches())
         return (
             f"layer={self.layer}, d_model={self.d_model}, d_ff={self.d_ff}, k_max={self.k_max}, "
-            f"capacity={self.bundle_cache.capacity}"
+            f"capacity=({capacities})"
         )
+
+    # ---- what both forwards do ----------------------------------------------------------------
+
+    def _timed_select(self, x: torch.Tensor, times: StageTimes) -> torch.Tensor:
+        started = perf_counter()
+        mask = self.select(x)
+        times.select_s += perf_counter() - started
+        return mask
+
+    def _round(
+        self,
+        kind: str,
+        cache: NeuronCache,
+        ids: torch.Tensor,
+        compute: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+        times: StageTimes,
+    ) -> Callable[[], None]:
+        """Look up and read the units `ids` of `kind`, calling `compute(rows, ids, index)` on the cached ones
+        (overlapping the read) and then on the read ones, the row of unit `ids[k]` being `rows[index[k]]`.
+        Returns the cache's update, for the I/O thread."""
+        runtime, layer = self.runtime, self.layer
+        runtime.settle(layer, kind)
+        started = perf_counter()
+        hit_ids, hit_slots, miss_ids = cache.lookup(ids)
+        looked_up = perf_counter()
+        pending = runtime.submit(layer, kind, miss_ids)
+        submitted = perf_counter()
+        if hit_ids.numel():
+            compute(cache.rows, hit_ids, hit_slots)
+        waiting = perf_counter()
+        fetched = pending.result().to(ids.device)
+        read = perf_counter()
+        if miss_ids.numel():
+            compute(fetched.matrix, miss_ids, miss_ids)  # the staging rows are by unit
+        done = perf_counter()
+        times.lookup_s += looked_up - started
+        times.submit_s += submitted - looked_up
+        times.io_s += read - waiting
+        times.compute_s += (waiting - submitted) + (done - read)
+        times.io_busy_s += fetched.busy_s
+        times.bytes_read += fetched.bytes_read
+        times.reads += fetched.reads
+        if runtime.trace is not None:
+            runtime.trace.record(runtime.step_start, layer, kind, ids)
+        step = runtime.step_start
+        return lambda: cache.update(ids, miss_ids, fetched.matrix, step, by_unit=True)
+
+    def _finish(
+        self,
+        update: Callable[[], Any],
+        tokens: int,
+        before: tuple[int, int, int],
+        times: StageTimes,
+        *,
+        used_bytes: int,
+    ) -> None:
+        """Queue the caches' `update` on the I/O thread and record the forward's counters and times."""
+        updating = perf_counter()
+        self.runtime.update_later(self.layer, self.KINDS, update)
+        times.update_s += perf_counter() - updating
+        hits, misses, evictions = (now - then for now, then in zip(self.counters(), before, strict=True))
+        self.runtime.stats.record(
+            self.layer,
+            tokens=tokens,
+            hits=hits,
+            misses=misses,
+            evictions=evictions,
+            used_bytes=used_bytes,
+            dense_bytes=tokens * self.runtime.layer_mlp_bytes,
+            **vars(times),
+        )
+
+
+@register_method("predictor")
+class PredictorMLP(PredictedNeuronsMLP):
+    """Reads the bundles of the neurons a layer's low-rank predictor names (see the module docstring)."""
+
+    KINDS = (BUNDLE,)
+    SUMS_ONLY_FIRING = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.bundle_cache = self.runtime.make_cache(self.layer, BUNDLE)
+        self._row_bytes = self.runtime.store.row_file(self.layer, BUNDLE).row_bytes
 
     # ---- the forward ------------------------------------------------------------------------
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        runtime, cache, layer = self.runtime, self.bundle_cache, self.layer
         x = self._tokens_of(hidden_states)
-        tokens = x.shape[0]
-        started = perf_counter()
-        mask = self.select(x)
-        ids = union_ids(mask)
-        selected = perf_counter()
-        runtime.settle(layer, BUNDLE)
-        hit_ids, hit_slots, miss_ids = cache.lookup(ids)
-        looked_up = perf_counter()
-        pending = runtime.submit(layer, BUNDLE, miss_ids)
-        submitted = perf_counter()
+        before, times = self.counters(), StageTimes()
+        mask = self._timed_select(x, times)
+        out = x.new_zeros(x.shape[0], self.d_model, dtype=torch.float32)
 
-        out = x.new_zeros(tokens, self.d_model, dtype=torch.float32)
-        self._bundles(out, x, mask, cache.rows, hit_ids, hit_slots)
-        waiting = perf_counter()
-        fetched = pending.result().to(x.device)
-        read = perf_counter()
-        self._bundles(out, x, mask, fetched.matrix, miss_ids, miss_ids)  # the staging rows are by unit
+        def bundles(rows: torch.Tensor, ids: torch.Tensor, index: torch.Tensor) -> None:
+            self._bundles(out, x, mask, rows, ids, index)
+
+        update = self._round(BUNDLE, self.bundle_cache, union_ids(mask), bundles, times)
         if self.down_bias is not None:
             out += self.down_bias
-        done = perf_counter()
-
-        step = runtime.step_start
-        runtime.update_later(
-            layer, (BUNDLE,), lambda: cache.update(ids, miss_ids, fetched.matrix, step, by_unit=True)
-        )
-        if runtime.trace is not None:
-            runtime.trace.record(step, layer, BUNDLE, ids)
-        updated = perf_counter()
-        runtime.stats.record(
-            layer,
-            tokens=tokens,
-            bytes_read=fetched.bytes_read,
-            reads=fetched.reads,
-            hits=hit_ids.numel(),
-            misses=miss_ids.numel(),
-            used_bytes=int(mask.sum()) * self._row_bytes,
-            dense_bytes=tokens * runtime.layer_mlp_bytes,
-            select_s=selected - started,
-            lookup_s=looked_up - selected,
-            submit_s=submitted - looked_up,
-            io_s=read - waiting,
-            io_busy_s=fetched.busy_s,
-            update_s=updated - done,
-            compute_s=(waiting - submitted) + (done - read),
-        )
+        self._finish(update, x.shape[0], before, times, used_bytes=int(mask.sum()) * self._row_bytes)
         return out.to(hidden_states.dtype).reshape(hidden_states.shape)
 
     def _bundles(
@@ -230,3 +300,59 @@ class PredictorMLP(PredictorSelection, FlashMLP):
         else:
             hidden = self.act(first if self.up_bias is None else first + self.up_bias[ids])
         self.down_product(out, (hidden * mask[:, ids]).float(), rows[:, -d:], index)
+
+
+@register_method("predictor-gate")
+class PredictedGatesMLP(PredictedNeuronsMLP):
+    """Reads the gate rows of the neurons a layer's predictor names, then the up row and down column of
+    those that fire (see the module docstring): two caches, one of gate rows, one of `up_down` rows."""
+
+    KINDS = (GATE, UP_DOWN)
+    SUMS_ONLY_FIRING = True
+    CACHE_SPLIT = "profile"  # a gate row is used several times as often as an up_down row
+
+    @classmethod
+    def check_store(cls, store: Store, config: FlashConfig) -> None:
+        if not store.gated:
+            raise ConfigError(
+                f"method={config.method!r} reads the predicted neurons' gate rows first, but "
+                f"{store.model_type}'s MLP has no gate projection. Use method='predictor'."
+            )
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate_cache = self.runtime.make_cache(self.layer, GATE)
+        self.up_down_cache = self.runtime.make_cache(self.layer, UP_DOWN)
+        self._row_bytes = {
+            kind: self.runtime.store.row_file(self.layer, kind).row_bytes for kind in self.KINDS
+        }
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = self._tokens_of(hidden_states)
+        tokens, d = x.shape[0], self.d_model
+        before, times = self.counters(), StageTimes()
+        predicted = self._timed_select(x, times)
+        gate = x.new_zeros(tokens, self.d_ff)
+
+        def gates(rows: torch.Tensor, ids: torch.Tensor, index: torch.Tensor) -> None:
+            gate[:, ids] = self.act(self.input_product(x, rows, index))
+
+        update_gates = self._round(GATE, self.gate_cache, union_ids(predicted), gates, times)
+        # A neuron predicted for one token only counts for that token; one that does not fire (its
+        # activation exactly zero) contributes nothing, and its up row and down column are not read.
+        hidden = gate * predicted
+        firing = hidden != 0
+        out = x.new_zeros(tokens, d, dtype=torch.float32)
+
+        def up_downs(rows: torch.Tensor, ids: torch.Tensor, index: torch.Tensor) -> None:
+            up = self.input_product(x, rows[:, :d], index)
+            self.down_product(out, (hidden[:, ids] * up).float(), rows[:, d:], index)
+
+        update_up_downs = self._round(UP_DOWN, self.up_down_cache, union_ids(firing), up_downs, times)
+        if self.down_bias is not None:
+            out += self.down_bias
+        used = int(predicted.sum()) * self._row_bytes[GATE] + int(firing.sum()) * self._row_bytes[UP_DOWN]
+        # The gate cache's update may wait past the second round: it copies from the gate kind's
+        # staging matrix, which no read reuses before the next layer's forward.
+        self._finish(lambda: (update_gates(), update_up_downs()), tokens, before, times, used_bytes=used)
+        return out.to(hidden_states.dtype).reshape(hidden_states.shape)

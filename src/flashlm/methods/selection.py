@@ -77,6 +77,10 @@ class CATSSelection(Selection):
         return threshold_mask(a, self.threshold)
 
 
+PREDICTOR_METHODS = ("predictor", "predictor-gate")
+"""The methods that select by `PredictorSelection` (they read its units in different orders)."""
+
+
 class PredictorSelection:
     """Predictor-based loading: the neurons the layer's low-rank `predictor` names, at most `k_max`."""
 
@@ -110,7 +114,7 @@ def selection_options(
     Raises `CalibrationMissingError` when the method needs thresholds that were never calibrated.
     """
     density, method = config.density, config.method
-    if method == "predictor":
+    if method in PREDICTOR_METHODS:
         return {"k_max": max(1, round(density * d_ff))}
     if method == "dip":
         rho_in, rho_out = dip_split(config, calibration, store_path)

@@ -190,6 +190,7 @@ MASKED_MLPS: dict[str, type[MaskedMLP]] = {
     "gate": MaskedGate,
     "cats": MaskedCATS,
     "predictor": MaskedPredictor,
+    "predictor-gate": MaskedPredictor,  # the same neurons, read in another order
     "endor": PrunedMLP,
 }
 """The training-time module of each method LoRA recovery supports."""
@@ -218,12 +219,12 @@ def mask_mlps(model: nn.Module, store: Any, config: FlashConfig) -> list[MaskedM
             f"{spec.family} models do not have one."
         )
     calibration = Calibration.load(store.path, store.content_sha256)
+    cls = MASKED_MLPS[config.method]
     predictors = None
-    if config.method == "predictor":
+    if cls is MaskedPredictor:
         from ..predictors import Predictors
 
         predictors = Predictors.load(store)
-    cls = MASKED_MLPS[config.method]
     masked = []
     for layer, name, owner in find_mlps(model, spec):
         selection = (

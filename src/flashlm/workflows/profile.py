@@ -100,7 +100,10 @@ def profile_units(
         )
     path = resolve_model_path(None if model_path is None else str(model_path))
     ids = corpus_tokens(corpus, AutoTokenizer.from_pretrained(path), split="calibration")[:num_tokens]
-    profiled = FlashConfig(**key, store=config.store, memory_budget=RESIDENT_BUDGET, record_trace=True)
+    # The budget holds every unit, so how it is split does not matter (and needs no profile).
+    profiled = FlashConfig(
+        **key, store=config.store, memory_budget=RESIDENT_BUDGET, cache_split="size", record_trace=True
+    )
     model = load_streaming(path, profiled)
     try:
         profile = profile_model(model, ids, corpus=corpus, context_length=context_length, progress=progress)
