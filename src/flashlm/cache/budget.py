@@ -13,8 +13,8 @@ Everything flashlm allocates for streaming is paid from the budget, in this orde
    share in proportion to their full size (all their units' slots), so every layer can cache the
    same fraction of itself. With `frequencies` (a unit profile: the share of tokens that use each
    unit), slots go instead to the units that save the most disk bytes per slot byte, across every
-   cache (frequency x unit bytes x read cost: the hot-set knapsack of `placement`), and what no
-   profiled use asks for is shared by size. A method whose kinds are used at very different rates
+   cache (frequency x unit bytes x read cost, the value the hot set of `placement` ranks by), and
+   what no profiled use asks for is shared by size. A method whose kinds are used at very different rates
    (the predicted neurons' gate rows and the firing ones' up_down rows) needs that.
 
 The byte costs of 2 and 3 come from `NeuronCache.fixed_bytes` / `NeuronCache.slot_bytes`, the same
@@ -31,7 +31,6 @@ import torch
 from .._utils import format_bytes
 from ..errors import BudgetTooSmallError, ConfigError
 from .neuron_cache import NeuronCache
-from .placement import place_hot_neurons
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ def split_budget(
     spare = budget_bytes - minimum
     if cache_units and frequencies is not None:
         values = [f.double() * u * c for f, u, c in zip(frequencies, unit_bytes, read_cost, strict=True)]
-        capacities = place_hot_neurons(values, slot_bytes, spare, solver="greedy").counts
+        capacities = _most_valuable(values, slot_bytes, spare)
         spare -= sum(c * s for c, s in zip(capacities, slot_bytes, strict=True))
         unasked = _fill(spare, slot_bytes, [n - c for n, c in zip(num_units, capacities, strict=True)])
         capacities = [c + more for c, more in zip(capacities, unasked, strict=True)]
@@ -156,3 +155,16 @@ def _fill(spare: int, slot_bytes: Sequence[int], num_units: Sequence[int]) -> li
         capacities[i] += add
         budget -= add * slot_bytes[i]
     return capacities
+
+
+def _most_valuable(values: Sequence[torch.Tensor], slot_bytes: Sequence[int], spare: int) -> list[int]:
+    """How many units of each cache a greedy knapsack takes with `spare` bytes: units by value per slot
+    byte, across caches, while the running total fits (units of no value are left out). Only the
+    counts matter here (each cache then keeps its own most used units), so this sorts once instead of
+    building `placement`'s per-unit items: on a 1.5B model's 500k units that took 3 s and 300 MB."""
+    per_byte = torch.cat([v / s for v, s in zip(values, slot_bytes, strict=True)])
+    owner = torch.cat([torch.full((v.numel(),), i) for i, v in enumerate(values)])
+    order = per_byte.argsort(descending=True, stable=True)
+    owner = owner[order]
+    taken = (torch.tensor(slot_bytes)[owner].cumsum(0) <= spare) & (per_byte[order] > 0)
+    return torch.bincount(owner[taken], minlength=len(values)).tolist()
