@@ -15,15 +15,16 @@ One command, four parts, written to `<out>/report.md` (and `results.json`):
    share of all neurons (LLM in a flash §3.1: 10% -> 2.4% at k = 5 on OPT 6.7B).
 4. **Decode** at `--memory-budget` (default 50% of the MLP bytes), each row in its own process, the
    relufied model loaded with its thresholds and patched: dense streaming, DIP-CA, the predictor,
-   the predictor with a window, and the predictor with PowerInfer's hot set pinned (`hot_share` of
-   `--hot-shares`, placed from the store's unit profile of the predictor, measured after training:
+   the predictor with a window, `predictor-gate` (gate rows first, its budget split by its unit
+   profile), and the predictor with PowerInfer's hot set pinned (`hot_share` of `--hot-shares`,
+   placed from the store's unit profile of the predictor; each profile measured after training:
    `flashlm profile`); tokens/s, MB and requests per token, hit rate, and the share of the profiled
    neuron uses the hot set covers. The predictors' weights are paid from the same budget.
 5. **Equal perplexity**: DIP-CA on the plain SwiGLU model (no relufication, no training), its
    perplexity swept over `--dip-densities` (token by token, as it decodes); the lowest density whose
    perplexity is at most the predictor's on every corpus is decoded at the same budget, alternating
-   with the predictor `--verdict-runs` times, and the report says which of the two is faster in
-   every run, or that their runs overlap.
+   with each predictor row `--verdict-runs` times, and the report says which is faster in every run,
+   or that their runs overlap.
 
     python benchmarks/predictor_results.py --relufied bench-results/relufy/smollm2-fatrelu/model \\
         --out bench-results/predictors
@@ -46,7 +47,10 @@ DECODE_ROWS = {
     "dip-ca@0.6": {"method": "dip", "density": 0.6, "cache_aware": 0.2},
     "predictor": {"method": "predictor", "density": 0.5},
     "predictor-window:5": {"method": "predictor", "density": 0.5, "policy": "window", "window": 5},
+    "predictor-gate": {"method": "predictor-gate", "density": 0.5},
 }
+PREDICTOR_ROWS = ("predictor", "predictor-gate")
+"""The rows the verdict compares with the equal-perplexity rival (the same predictor, read two ways)."""
 
 
 PPL_CONTEXT = 512
@@ -97,6 +101,11 @@ def main() -> None:
         help="skip the predictors of the plain SwiGLU model (its perplexity is still measured)",
     )
     parser.add_argument("--train-tokens", type=int, default=16384)
+    parser.add_argument(
+        "--reuse-predictors",
+        action="store_true",
+        help="use the predictors already saved beside the relufied store in --out instead of training",
+    )
     parser.add_argument("--target-recall", type=float, default=0.95)
     parser.add_argument(
         "--max-rank",
@@ -142,7 +151,7 @@ def main() -> None:
     from flashlm.data.models import model_path
     from flashlm.eval.perplexity import perplexity
     from flashlm.eval.sweep import sweep
-    from flashlm.predictors import LabelRule, TrainOptions
+    from flashlm.predictors import PREDICTORS_FILE, LabelRule, Predictors, TrainOptions
     from flashlm.training.checkpoints import load_checkpoint
     from flashlm.workflows.calibrate import load_or_calibrate
     from flashlm.workflows.predictors import train_store_predictors
@@ -157,10 +166,13 @@ def main() -> None:
     # 1. predictors
     started = time.perf_counter()
     store = args.out / "relufied.flash"  # the relufied store beside the results, for training and loading
-    relu_predictors = train_store_predictors(
-        args.relufied, tokens=args.train_tokens, options=options, store=store
-    )
-    relu_s = time.perf_counter() - started
+    if args.reuse_predictors and (store / PREDICTORS_FILE).is_file():
+        relu_predictors, relu_s = Predictors.load(store), None  # checked against the store's weights
+    else:
+        relu_predictors = train_store_predictors(
+            args.relufied, tokens=args.train_tokens, options=options, store=store
+        )
+        relu_s = time.perf_counter() - started
     trained = [("relufied (active = exactly nonzero)", relu_predictors, relu_s)]
     if args.swiglu_predictors:
         started = time.perf_counter()
@@ -176,8 +188,13 @@ def main() -> None:
         )
     for name, predictors, seconds in trained:
         report += [
-            f"## Predictors, {name}: {args.train_tokens} calibration tokens, target recall "
-            f"{args.target_recall}, trained in {seconds:.0f} s",
+            f"## Predictors, {name}: "
+            + (
+                "saved beside the store, reused (--reuse-predictors)"
+                if seconds is None
+                else f"{args.train_tokens} calibration tokens, target recall {args.target_recall}, "
+                f"trained in {seconds:.0f} s"
+            ),
             "",
             *predictor_table(predictors.reports),
             "",
@@ -260,6 +277,7 @@ def main() -> None:
     specs = {name: {**budget, **options} for name, options in DECODE_ROWS.items()}
     for k in (int(k) for k in args.windows.split(",")):
         specs[f"predictor-window:{k}"] = {**budget, **DECODE_ROWS["predictor-window:5"], "window": k}
+    load_or_profile(args.relufied, FlashConfig(**specs["predictor-gate"]), num_tokens=args.profile_tokens)
     hot_shares = [float(share) for share in args.hot_shares.split(",") if share.strip()]
     if hot_shares:
         predictor = {**budget, **DECODE_ROWS["predictor"]}
@@ -287,7 +305,7 @@ def main() -> None:
         decoded = {name: decode(name) for name in specs}
         # The verdict compares two rows on a noisy machine: more runs of both, alternating, so that a
         # slow spell of the machine does not land on one row only.
-        verdict_runs = {"predictor": [decoded["predictor"]["decode_tok_s"]]}
+        verdict_runs = {name: [decoded[name]["decode_tok_s"]] for name in PREDICTOR_ROWS}
         if equal_row is not None:
             verdict_runs[equal_row] = [decoded[equal_row]["decode_tok_s"]]
             for _ in range(args.verdict_runs - 1):
@@ -316,8 +334,8 @@ def main() -> None:
             f"| {r['mlp_density']:.1%} "
             f"| {r['hit_rate']:.1%} | {hot_set_cell(r.get('hot_set'))} |"
         )
-    if equal_row is not None:
-        ours, theirs = verdict_runs["predictor"], verdict_runs[equal_row]
+    for name in PREDICTOR_ROWS if equal_row is not None else ():
+        ours, theirs = verdict_runs[name], verdict_runs[equal_row]
         predictor, rival = statistics.median(ours), statistics.median(theirs)
         if min(ours) > max(theirs):
             verdict = "faster than it in every run"
@@ -329,9 +347,9 @@ def main() -> None:
         report += [
             "",
             f"At equal memory and at most the predictor's perplexity, the relufied model with its predictor "
-            f"decodes {predictor:.2f} tok/s (median of {len(ours)} runs, alternating with the rival's): "
-            f"{predictor / rival:.2f}x {equal_row} ({rival:.2f} tok/s), {verdict} "
-            f"(predictor / rival tok/s per run: {runs}).",
+            f"({name}) decodes {predictor:.2f} tok/s (median of {len(ours)} runs, alternating with the "
+            f"rival's): {predictor / rival:.2f}x {equal_row} ({rival:.2f} tok/s), {verdict} "
+            f"({name} / rival tok/s per run: {runs}).",
         ]
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (args.out / "report.md").write_text("\n".join(report) + "\n")

@@ -111,15 +111,17 @@ def test_sparse_methods_on_the_gpu_compute_what_they_compute_on_the_cpu(options,
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_predictor_that_never_misses_reproduces_the_dense_model_on_the_device(device, tmp_path):
+@pytest.mark.parametrize("method", ["predictor", "predictor-gate"])
+def test_a_predictor_that_never_misses_reproduces_the_dense_model_on_the_device(method, device, tmp_path):
     model, path = relu_checkpoint("llama", tmp_path)
     store = flashlm.convert(path, tmp_path / "store", progress=False)
     exact_predictors(model).save(store.path)
     config = flashlm.FlashConfig(
-        method="predictor",
+        method=method,
         store=str(store.path),
         memory_budget=10**7,
         density=(store.d_ff - 0.4) / store.d_ff,
+        cache_split="size",  # no unit profile needed
     )
     patched = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, device_map=device)
     model = model.to(device)

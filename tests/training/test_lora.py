@@ -110,7 +110,8 @@ def test_the_training_masks_are_the_streaming_masks(fp32_dir, method):
     assert all(m.masking for m in masked.modules() if isinstance(m, MaskedMLP))
 
 
-def test_the_predictor_methods_training_masks_are_its_streaming_masks(tmp_path):
+@pytest.mark.parametrize("method", ["predictor", "predictor-gate"])
+def test_the_predictor_methods_training_masks_are_its_streaming_masks(method, tmp_path):
     from flashlm.predictors import LowRankPredictor, Predictors
 
     config = tiny_config("llama")
@@ -119,7 +120,8 @@ def test_the_predictor_methods_training_masks_are_its_streaming_masks(tmp_path):
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "relu")
     store = flashlm.convert(tmp_path / "relu", tmp_path / "store", progress=False)
     Predictors([LowRankPredictor(store.d_model, store.d_ff, 4) for _ in range(store.num_layers)]).save(store)
-    options = _config(method="predictor", density=0.4, store=str(store.path))
+    # (predictor-gate splits its budget by a unit profile unless told otherwise)
+    options = _config(method=method, density=0.4, store=str(store.path), cache_split="size")
     masked = _masked(tmp_path / "relu", options)
     dense = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "relu", dtype=torch.float32).eval())
     assert not torch.allclose(_logits(masked), dense, atol=1e-3)
