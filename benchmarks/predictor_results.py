@@ -325,9 +325,10 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in decoded.items():
-        new = (
-            f"{r['misses_per_token'] / d_ff_total:.1%}" if name.startswith("predictor") else "—"
-        )  # a predictor unit is one neuron's bundle
+        # a predictor unit is one neuron's bundle; predictor-gate's are a gate row or an up_down row
+        new = f"{r['misses_per_token'] / d_ff_total:.1%}" if name.startswith("predictor") else "—"
+        if name == "predictor-gate":
+            new += " (rows: gate + up_down)"
         report.append(
             f"| {name} | {r['decode_tok_s']:.2f} | {r['decode_tok_s'] / dense:.2f} "
             f"| {r['reader_bytes_per_token'] / 1e6:.1f} | {r['reads_per_token']:.0f} | {new} "
