@@ -112,6 +112,26 @@ def test_rank_growth_stops_at_the_first_rank_that_reaches_the_target() -> None:
     assert report.recall == 1.0  # the threshold still catches every held-out positive
 
 
+def test_rank_growth_stops_where_a_larger_predictor_no_longer_pays() -> None:
+    """With `read_share`, a rank whose predicted neurons (their read share of the MLP) plus its own
+    parameters cost no less than the rank before ends the growth, and the rank before is kept, though
+    recall at 0.5 never reaches the target. Without it, growth runs to the largest rank."""
+    x, labels = planted(1500, seed=0)
+    mlp_params = 3 * D_MODEL * D_FF
+    ranks = TrainOptions(ranks=(1, 8, 16, 32), target_recall=1.0, epochs=6, lr=2e-2, batch_size=128)
+    _, report = train_layer(x, labels, replace(ranks, read_share=1 / 3), mlp_params=mlp_params)
+    assert report.rank == 8 and list(report.ranks_tried) == [1, 8, 16]
+    touched = report.touched_tried
+    assert touched[8] < touched[1] and touched[16] >= touched[8]
+    # rank 8 separates the planted pattern: its cost is about the true neurons' gate rows plus itself
+    predictor_share = 100 * (D_MODEL * 8 + 8 * D_FF + D_FF) / mlp_params
+    assert touched[8] == pytest.approx(100 * labels.float().mean().item() / 3 + predictor_share, rel=0.15)
+    _, by_recall = train_layer(x, labels, ranks, mlp_params=mlp_params)
+    assert by_recall.rank == 32 and by_recall.touched_tried == {}
+    with pytest.raises(ValueError, match="read_share"):
+        TrainOptions(read_share=0.0)
+
+
 def test_ranks_are_capped() -> None:
     options = TrainOptions(ranks=(16, 32, 64, 128))
     assert options.ranks_for(48, 96) == [16, 32]

@@ -592,6 +592,7 @@ def cmd_train_predictors(args: argparse.Namespace) -> int:
         sequence_length=args.sequence_length,
         options=options,
         store=args.store,
+        method=args.for_method,
     )
     print(format_reports(predictors.reports))
     params = sum(r.size_percent or 0.0 for r in predictors.reports) / len(predictors.reports)
@@ -636,6 +637,14 @@ def _add_train_parser(sub) -> None:
         "the memory budget to the cache",
     )
     predictors.add_argument("--epochs", type=_int_at_least(1), default=4)
+    predictors.add_argument(
+        "--for-method",
+        choices=("predictor", "predictor-gate"),
+        default=None,
+        help="the method that will load them: rank growth stops where a larger predictor no longer "
+        "shrinks what a token touches, which depends on what it reads per predicted neuron (default: "
+        "predictor-gate for a gated MLP, else predictor)",
+    )
     predictors.set_defaults(func=cmd_train_predictors)
 
     from ..training.lora import build_parser as lora_parser

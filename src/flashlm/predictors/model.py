@@ -22,7 +22,7 @@ import json
 import math
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +133,10 @@ class LayerReport:
     `recall` / `precision` are over every (token, neuron) pair; `density` is the share of neurons
     predicted active (what gets loaded), `label_density` the share truly active; `size_percent` the
     predictor's parameters as a percentage of the MLP's (None when unknown); `ranks_tried` maps each
-    rank tried to its held-out recall at probability 0.5 (the rank-growth criterion).
+    rank tried to its held-out recall at probability 0.5 (the rank-growth criterion), `touched_tried`
+    to the parameters a token touches with it, as a percentage of the MLP's (its predicted neurons'
+    share the loading method reads, plus the predictor: growth stops where that stops shrinking;
+    empty where growth went by recall alone).
     """
 
     layer: int
@@ -145,11 +148,13 @@ class LayerReport:
     label_density: float
     size_percent: float | None
     ranks_tried: dict[int, float]
+    touched_tried: dict[int, float] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LayerReport:
         data = dict(data)
-        data["ranks_tried"] = {int(k): float(v) for k, v in data.get("ranks_tried", {}).items()}
+        for name in ("ranks_tried", "touched_tried"):
+            data[name] = {int(k): float(v) for k, v in data.get(name, {}).items()}
         return cls(**data)
 
 

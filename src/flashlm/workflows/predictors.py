@@ -28,6 +28,7 @@ def train_store_predictors(
     rule: LabelRule | None = None,
     options: TrainOptions | None = None,
     store: str | os.PathLike | None = None,
+    method: str | None = None,
     progress: bool = True,
 ) -> Predictors:
     """Train and save the predictors of `model` (a bundled model's name, a checkpoint directory, or the
@@ -37,6 +38,9 @@ def train_store_predictors(
     `rule` says what "active" means (default: exactly nonzero for ReLU-family models, the top 10% by
     magnitude otherwise); `store` the store to save beside (default: the model's, converted if
     missing). The predictors are held in the store's dtype unless `options.dtype` says otherwise.
+    `method` is the loading method their ranks are chosen for (`TrainOptions.read_share`, unless
+    `options` sets it): `"predictor-gate"` (a gated model's default: a predicted neuron costs its gate
+    row) or `"predictor"` (its bundle).
     """
     from transformers import AutoTokenizer
 
@@ -59,9 +63,29 @@ def train_store_predictors(
     options = options or TrainOptions()
     if options.dtype is None:
         options = replace(options, dtype=target.dtype)
+    if options.read_share is None:
+        options = replace(options, read_share=read_share(method, target.gated))
     dense = load_checkpoint(path, dtype=torch.float32)  # a relufied one with its FATReLU thresholds
     samples = collect_activations(dense, list(windows), rule=rule, max_rows=tokens, progress=progress)
     del dense
     predictors = train_predictors(samples, options, progress=progress)
     predictors.save(target)
     return predictors
+
+
+READ_SHARES = {"predictor": 1.0, "predictor-gate": 1 / 3}
+"""The share of a predicted neuron's MLP parameters each predictor method reads for it: the whole
+bundle, or the gate row of gate | up | down."""
+
+
+def read_share(method: str | None, gated: bool) -> float:
+    """`TrainOptions.read_share` for predictors that `method` will load (None: the best method for the
+    MLP, `predictor-gate` where it is gated)."""
+    method = method or ("predictor-gate" if gated else "predictor")
+    if method not in READ_SHARES:
+        raise ConfigError(f"Predictors are trained for {' or '.join(READ_SHARES)}, not method={method!r}.")
+    if method == "predictor-gate" and not gated:
+        raise ConfigError(
+            "method='predictor-gate' reads gate rows, and this MLP has no gate: use 'predictor'."
+        )
+    return READ_SHARES[method]
