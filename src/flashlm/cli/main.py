@@ -641,9 +641,9 @@ def _add_train_parser(sub) -> None:
         "--for-method",
         choices=("predictor", "predictor-gate"),
         default=None,
-        help="the method that will load them: rank growth stops where a larger predictor no longer "
-        "shrinks what a token touches, which depends on what it reads per predicted neuron (default: "
-        "predictor-gate for a gated MLP, else predictor)",
+        help="size them for the method that will load them: rank growth also stops where a larger "
+        "predictor no longer shrinks what a token touches (smaller, faster, less accurate predictors; "
+        "default: grow by recall alone)",
     )
     predictors.set_defaults(func=cmd_train_predictors)
 
