@@ -13,6 +13,7 @@ from torch import nn
 from ..arch import MLPSpec, find_mlps, mlp_weight_names, model_type_of, spec_for
 from ..cache import NeuronCache
 from ..engine.runtime import FlashRuntime
+from ..errors import ConfigError
 from ..store import ModuleSource, SafetensorsSource, Store, add_kinds, convert, mlp_content_sha256
 from ..store.convert import layer_weights
 from ..store.location import default_store_path, open_or_convert
@@ -27,6 +28,16 @@ def module_class(config: FlashConfig) -> type[FlashMLP]:
     every unit and is dense streaming, computed exactly as the dense model (the DIP paper's density-1
     point; a sparse module would sum its products in another order)."""
     return METHODS["dense"] if config.density == 1 else method_class(config.method)
+
+
+def require_gate(store: Store, method: str, needs: str, instead: str) -> None:
+    """`ConfigError` unless `store`'s MLP is gated: `method` `needs` its gate projection (what it does
+    with it), and `instead` names the method to use."""
+    if not store.gated:
+        raise ConfigError(
+            f"method={method!r} {needs}, but {store.model_type}'s MLP is not gated (it has no gate "
+            f"projection). Use method={instead!r}."
+        )
 
 
 def streaming_mlps(model: nn.Module) -> list[FlashMLP]:

@@ -39,7 +39,7 @@ from ..ops import ColumnProduct, RowProduct
 from ..predictors import PREDICTORS_FILE, Predictors
 from .base import register_method
 from .masking import union_ids
-from .mlp import FlashMLP
+from .mlp import FlashMLP, require_gate
 from .selection import PredictorSelection, selection_options
 
 if TYPE_CHECKING:
@@ -313,11 +313,7 @@ class PredictedGatesMLP(PredictedNeuronsMLP):
 
     @classmethod
     def check_store(cls, store: Store, config: FlashConfig) -> None:
-        if not store.gated:
-            raise ConfigError(
-                f"method={config.method!r} reads the predicted neurons' gate rows first, but "
-                f"{store.model_type}'s MLP has no gate projection. Use method='predictor'."
-            )
+        require_gate(store, config.method, "reads the predicted neurons' gate rows first", "predictor")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -54,7 +54,7 @@ from ..store.reader import DEFAULT_MERGE_GAP_BYTES
 from .base import method_class, register_method
 from .calibration import CALIBRATION_FILE, Calibration
 from .masking import union_ids
-from .mlp import FlashMLP
+from .mlp import FlashMLP, require_gate
 from .selection import CATSSelection, DIPSelection, GLUSelection, Selection, dip_split, selection_options
 
 if TYPE_CHECKING:
@@ -146,11 +146,7 @@ class SparseMLP(Selection, FlashMLP):
 
     @classmethod
     def check_store(cls, store: Store, config: FlashConfig) -> None:
-        if not store.gated:
-            raise ConfigError(
-                f"method={config.method!r} prunes the projections of a gated (SwiGLU) MLP, but "
-                f"{store.model_type}'s MLP is not gated. Use method='dense'."
-            )
+        require_gate(store, config.method, "prunes the projections of a gated (SwiGLU) MLP", "dense")
         if store.has_bias and config.density < 1:
             raise UnsupportedArchitectureError(
                 f"method={config.method!r} does not support MLP biases ({store.model_type} has them)."
