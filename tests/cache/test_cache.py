@@ -424,8 +424,8 @@ def test_budget_is_never_exceeded(
         overhead_bytes=overhead,
         policy=policy,
         read_cost=costs[: len(layers)],
-        # a unit profile: some units never used, the others at random rates
-        frequencies=None
+        # a unit profile's values: some units never used, the others at random rates
+        unit_values=None
         if profile_seed is None
         else [
             torch.rand(n, generator=torch.Generator().manual_seed(profile_seed + i)).sub(0.3).clamp(min=0)
@@ -480,13 +480,13 @@ def test_budget_fills_the_costliest_misses_first() -> None:
 
 
 def test_budget_follows_a_unit_profile() -> None:
-    """With a unit profile, slots go to the units that save the most disk bytes per slot byte, whatever
-    their cache; what no profiled use asks for is then shared by size."""
+    """With unit values (a unit profile's disk bytes saved), slots go to the units of most value per slot
+    byte, whatever their cache; what has no value is then shared by size."""
     num_units, unit_bytes = [100, 100], [64, 128]
     fixed = sum(NeuronCache.fixed_bytes(n, "lfu") for n in num_units)
     slots = [NeuronCache.slot_bytes(u) for u in unit_bytes]
-    # cache 0: 40 units every token, 60 never; cache 1: every unit a tenth of the tokens
-    frequencies = [torch.cat([torch.ones(40), torch.zeros(60)]), torch.full((100,), 0.1)]
+    # cache 0: 40 units used every token, 60 never; cache 1: every unit a tenth of the tokens
+    values = [64 * torch.cat([torch.ones(40), torch.zeros(60)]), 128 * torch.full((100,), 0.1)]
 
     def plan(budget: int):
         return split_budget(
@@ -495,8 +495,7 @@ def test_budget_follows_a_unit_profile() -> None:
             num_units=num_units,
             overhead_bytes=0,
             policy="lfu",
-            read_cost=[1.0, 1.0],
-            frequencies=frequencies,
+            unit_values=values,
         )
 
     assert plan(fixed + 40 * slots[0] + 30 * slots[1]).capacities == [40, 30]
@@ -504,9 +503,9 @@ def test_budget_follows_a_unit_profile() -> None:
     # every used unit fits: the rest of the budget goes by size, here to cache 0's unused units
     roomy = plan(fixed + 70 * slots[0] + 100 * slots[1])
     assert roomy.capacities == [70, 100] and roomy.total_bytes <= fixed + 70 * slots[0] + 100 * slots[1]
-    with pytest.raises(ConfigError, match="frequencies"):
+    with pytest.raises(ConfigError, match="unit_values"):
         split_budget(
-            10**6, unit_bytes=unit_bytes, num_units=num_units, overhead_bytes=0, frequencies=[torch.ones(3)]
+            10**6, unit_bytes=unit_bytes, num_units=num_units, overhead_bytes=0, unit_values=[torch.ones(3)]
         )
 
 

@@ -11,10 +11,9 @@ Everything flashlm allocates for streaming is paid from the budget, in this orde
    cached byte of a SmolLM2 down column (1152 bytes, read as a 4 KiB page) saves about three
    times the disk traffic of a cached byte of a 6 KiB input-column bundle. Caches of equal cost
    share in proportion to their full size (all their units' slots), so every layer can cache the
-   same fraction of itself. With `frequencies` (a unit profile: the share of tokens that use each
-   unit), slots go instead to the units that save the most disk bytes per slot byte, across every
-   cache (frequency x unit bytes x read cost, the value the hot set of `placement` ranks by), and
-   what no profiled use asks for is shared by size. A method whose kinds are used at very different rates
+   same fraction of itself. With `unit_values` (what caching each unit saves: from a unit profile,
+   the disk bytes per token), slots go instead to the units of most value per slot byte, across
+   every cache, and what has no value is shared by size. A method whose kinds are used at very different rates
    (the predicted neurons' gate rows and the firing ones' up_down rows) needs that.
 
 The byte costs of 2 and 3 come from `NeuronCache.fixed_bytes` / `NeuronCache.slot_bytes`, the same
@@ -57,13 +56,13 @@ def split_budget(
     policy: str = "lru",
     cache_units: bool = True,
     read_cost: Sequence[float] | None = None,
-    frequencies: Sequence[torch.Tensor] | None = None,
+    unit_values: Sequence[torch.Tensor] | None = None,
 ) -> BudgetPlan:
     """Capacities for one cache per entry of `unit_bytes` / `num_units` (bytes per unit row, units).
 
     `cache_units=False` plans no slots at all (the "no cache" baseline: every unit read every time).
-    `read_cost` (one per entry, default all equal) orders the filling; `frequencies` (one vector of
-    each cache's units' use shares per entry) fill by profiled use instead: see the module docstring.
+    `read_cost` (one per entry, default all equal) orders the filling; `unit_values` (one vector per
+    entry, of what caching each of its units saves) fill by value instead: see the module docstring.
 
     Raises `BudgetTooSmallError`, naming the minimum, when the budget cannot hold the working
     memory and the caches' indices; `ConfigError` for inconsistent arguments or an unknown policy.
@@ -73,8 +72,8 @@ def split_budget(
     read_cost = [1.0] * len(unit_bytes) if read_cost is None else list(read_cost)
     if len(read_cost) != len(unit_bytes) or any(c <= 0 for c in read_cost):
         raise ConfigError("read_cost needs one positive entry per cache.")
-    if frequencies is not None and [f.numel() for f in frequencies] != list(num_units):
-        raise ConfigError("frequencies needs one vector per cache, of its number of units.")
+    if unit_values is not None and [v.numel() for v in unit_values] != list(num_units):
+        raise ConfigError("unit_values needs one vector per cache, of its number of units.")
     if any(u <= 0 for u in unit_bytes) or any(n < 0 for n in num_units):
         raise ConfigError("unit_bytes must be positive and num_units non-negative.")
     if budget_bytes < 0 or overhead_bytes < 0:
@@ -95,9 +94,8 @@ def split_budget(
     slot_bytes = [NeuronCache.slot_bytes(u) for u in unit_bytes]
     capacities = [0] * len(num_units)
     spare = budget_bytes - minimum
-    if cache_units and frequencies is not None:
-        values = [f.double() * u * c for f, u, c in zip(frequencies, unit_bytes, read_cost, strict=True)]
-        capacities = _most_valuable(values, slot_bytes, spare)
+    if cache_units and unit_values is not None:
+        capacities = _most_valuable([v.double() for v in unit_values], slot_bytes, spare)
         spare -= sum(c * s for c, s in zip(capacities, slot_bytes, strict=True))
         unasked = _fill(spare, slot_bytes, [n - c for n, c in zip(num_units, capacities, strict=True)])
         capacities = [c + more for c, more in zip(capacities, unasked, strict=True)]

@@ -150,6 +150,12 @@ class Runtime:
             self.reader.close()
 
 
+def saved_bytes(profile: UnitProfile, key: tuple[int, str], row_file: RowFile) -> torch.Tensor:
+    """Disk bytes per token that holding each unit of cache `key` in memory saves: the share of tokens
+    that used it in `profile`, times what a read of it alone moves (`RowFile.read_amplification`)."""
+    return profile.frequencies[key].double() * row_file.row_bytes * row_file.read_amplification
+
+
 class FlashRuntime(Runtime):
     """Owns the reader and the shared buffers; builds each layer's cache from one memory budget.
 
@@ -212,10 +218,10 @@ class FlashRuntime(Runtime):
         self._cache_keys = list(row_files)
         unit_bytes = [row_files[key].width * self.slot_dtypes[key[1]].itemsize for key in self._cache_keys]
         split = config.cache_split or cache_split
-        frequencies = None
+        unit_values = None
         if split == "profile" and not dense and config.policy != NO_CACHE:
             profile = self._unit_profile(fitted_files, "cache_split='profile'")
-            frequencies = [profile.frequencies[key] for key in self._cache_keys]
+            unit_values = [saved_bytes(profile, key, row_files[key]) for key in self._cache_keys]
         self.plan: BudgetPlan = split_budget(
             self.budget_bytes,
             unit_bytes=unit_bytes,
@@ -226,7 +232,7 @@ class FlashRuntime(Runtime):
             read_cost=(
                 None if split == "size" else [row_files[key].read_amplification for key in self._cache_keys]
             ),
-            frequencies=frequencies,
+            unit_values=unit_values,
         )
         self.hot_set: Placement | None = None
         """The pinned units of every cache (`FlashConfig.hot_share`), in the order of `_cache_keys`."""
@@ -292,8 +298,8 @@ class FlashRuntime(Runtime):
         profile = self._unit_profile(fitted_files, "hot_share")
         values = []
         for key, capacity in self.capacities.items():
-            frequency = profile.frequencies[key].double()
-            value = frequency * row_files[key].row_bytes * row_files[key].read_amplification
+            frequency = profile.frequencies[key]
+            value = saved_bytes(profile, key, row_files[key])
             if capacity < frequency.numel():  # only the `capacity` most frequent units are candidates
                 value[frequency.argsort(descending=True, stable=True)[capacity:]] = 0
             else:
