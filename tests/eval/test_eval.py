@@ -551,6 +551,12 @@ def _bench_argv(model, tmp_path, *extra: str, warm: bool = True) -> list[str]:
         ),
         (lambda d, m: ["--ppl-tokens", str(10**9)], r"holds only \d+ tokens"),
         (lambda d, m: ["--corpus", "wikitext"], "Available corpora"),
+        (
+            lambda d, m: ["--methods", "dip@0.9,predictor-gate@0.5"],
+            # (whether or not an earlier test converted the model's store)
+            r"--methods predictor-gate needs a unit profile .*"
+            r"`flashlm profile --(model|store) .* --method predictor-gate --density 0\.5`",
+        ),
         (lambda d, m: ["--out", str(m / "config.json" / "out")], r"--out .* is not a writable directory"),
         (lambda d, m: ["--work", str(m / "config.json" / "w")], r"--work .* is not a writable directory"),
     ],

@@ -38,7 +38,7 @@ KEY_OPTIONS = ("method", "density", "input_density", "threshold")
 
 
 class ProfileMissingError(FlashLMError):
-    """A hot set was asked for, but the store has no unit profile of the method."""
+    """A hot set or a budget split by use was asked for, but the store has no unit profile of the method."""
 
 
 def profile_key(config: FlashConfig) -> dict[str, Any]:

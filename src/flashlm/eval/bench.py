@@ -181,6 +181,7 @@ def prepare(
         pruned=pruned,
         cold=cold,
     )
+    check_unit_profiles(model_path, specs)
     writable_dir(out, "--out")
     if work is not None:
         writable_dir(work, "--work")
@@ -188,6 +189,39 @@ def prepare(
         checkpoints = dict.fromkeys(perplexity_key(spec, model_path)[0] for spec in specs)
         check_perplexity_tokens(checkpoints, corpus=corpus, num_tokens=ppl_tokens, context_length=ppl_context)
     return Plan(budget, specs)
+
+
+def check_unit_profiles(model_path: Path, specs: list[dict[str, Any]]) -> None:
+    """Every flashlm configuration that places its cache by a unit profile (`hot_share`, or
+    `cache_split="profile"`, predictor-gate's default) finds one beside its store: else
+    `ProfileMissingError`, naming the `flashlm profile` command, now rather than when its turn comes."""
+    from ..cache.profile import ProfileMissingError, UnitProfile, fitted_digests, profile_key
+    from ..methods.mlp import module_class
+    from ..store import SafetensorsSource, Store
+    from ..store.location import default_store_path
+
+    for spec in specs:
+        if spec["kind"] != "flashlm":
+            continue
+        config = FlashConfig(**spec["options"])
+        cls = module_class(config)
+        if not cls.needs_unit_profile(config):
+            continue
+        needed_by = f"--methods {spec.get('method_spec', config.method)}"
+        path = (
+            Path(config.store)
+            if config.store
+            else default_store_path(str(model_path), SafetensorsSource(model_path).fingerprint(), ".flash")
+        )
+        if not path.exists():
+            raise ProfileMissingError(
+                f"{needed_by} needs a unit profile measured on the model's store, and {model_path} has no "
+                f"store yet: run `flashlm profile --model {model_path} --method {config.method} --density "
+                f"{config.density:g}` first (it converts the store)."
+            )
+        store = Store.open(path)
+        fitted = fitted_digests(store.path, cls.FITTED_FILES)
+        UnitProfile.load(store.path, store.content_sha256, profile_key(config), fitted, needed_by=needed_by)
 
 
 def check_page_cache_drop() -> None:

@@ -47,6 +47,10 @@ class StreamingMLP(DenseOnly, FlashMLP):
 
     KINDS = ("gate", "up", "down")
 
+    @classmethod
+    def needs_unit_profile(cls, config: FlashConfig) -> bool:
+        return False  # every unit every token: nothing to place by how often it is used
+
     def __init__(
         self,
         layer: int,

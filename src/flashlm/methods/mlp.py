@@ -12,6 +12,7 @@ from torch import nn
 
 from ..arch import MLPSpec, find_mlps, mlp_weight_names, model_type_of, spec_for
 from ..cache import NeuronCache
+from ..cache.policies import NO_CACHE
 from ..engine.runtime import FlashRuntime
 from ..errors import ConfigError
 from ..store import ModuleSource, SafetensorsSource, Store, add_kinds, convert, mlp_content_sha256
@@ -217,6 +218,8 @@ class FlashMLP(MethodModule):
     KINDS: ClassVar[tuple[str, ...]]
     FITTED_FILES: ClassVar[tuple[str, ...]] = ()
     """Files beside the store that decide which units the method selects (what `load_fitted` reads)."""
+    CACHE_SPLIT: ClassVar[str] = "read-cost"
+    """How the budget is shared between the method's caches unless `FlashConfig.cache_split` says."""
     replacer = MLPReplacer()
 
     @classmethod
@@ -228,6 +231,13 @@ class FlashMLP(MethodModule):
     def check_store(cls, store: Store, config: FlashConfig) -> None:
         """Raise if `config`'s method cannot compute `store`'s MLP (checked for the configured method even
         at density 1, where the module is dense streaming)."""
+
+    @classmethod
+    def needs_unit_profile(cls, config: FlashConfig) -> bool:
+        """Whether loading `config` with this module reads a unit profile from beside the store: to pin
+        a hot set (`hot_share`), or to split the budget by it (`cache_split="profile"`)."""
+        split = config.cache_split or cls.CACHE_SPLIT
+        return config.policy != NO_CACHE and (bool(config.hot_share) or split == "profile")
 
     @classmethod
     def load_fitted(cls, store: Store, *, device: torch.device) -> Any:

@@ -69,8 +69,6 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
     """
 
     FITTED_FILES = (PREDICTORS_FILE,)
-    CACHE_SPLIT = "read-cost"
-    """How the budget is shared between the method's caches unless `FlashConfig.cache_split` says."""
     SUMS_ONLY_FIRING: bool
     """Whether the down columns summed are only those of neurons that fire (else of every predicted one:
     the predictor's precision says how many have nonzero coefficients)."""
