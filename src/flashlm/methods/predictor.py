@@ -96,6 +96,7 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
         self.k_max = k_max
         self.register_buffer("up_bias", up_bias, persistent=False)
         self.register_buffer("down_bias", down_bias, persistent=False)
+        self._row_bytes = {kind: runtime.store.row_file(layer, kind).row_bytes for kind in self.KINDS}
         dtype = runtime.store.dtype
         self.down_product = ColumnProduct.measure(dtype, d_model, down_density)
         """How `sum_j coef_j down_j` is computed over rows where they lie (`ColumnProduct`)."""
@@ -257,7 +258,6 @@ class PredictorMLP(PredictedNeuronsMLP):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.bundle_cache = self.runtime.make_cache(self.layer, BUNDLE)
-        self._row_bytes = self.runtime.store.row_file(self.layer, BUNDLE).row_bytes
 
     # ---- the forward ------------------------------------------------------------------------
 
@@ -273,7 +273,7 @@ class PredictorMLP(PredictedNeuronsMLP):
         update = self._round(BUNDLE, self.bundle_cache, union_ids(mask), bundles, times)
         if self.down_bias is not None:
             out += self.down_bias
-        self._finish(update, x.shape[0], before, times, used_bytes=int(mask.sum()) * self._row_bytes)
+        self._finish(update, x.shape[0], before, times, used_bytes=int(mask.sum()) * self._row_bytes[BUNDLE])
         return out.to(hidden_states.dtype).reshape(hidden_states.shape)
 
     def _bundles(
@@ -317,9 +317,6 @@ class PredictedGatesMLP(PredictedNeuronsMLP):
         super().__init__(*args, **kwargs)
         self.gate_cache = self.runtime.make_cache(self.layer, GATE)
         self.up_down_cache = self.runtime.make_cache(self.layer, UP_DOWN)
-        self._row_bytes = {
-            kind: self.runtime.store.row_file(self.layer, kind).row_bytes for kind in self.KINDS
-        }
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x = self._tokens_of(hidden_states)
