@@ -67,11 +67,12 @@ def test_predictors_are_held_in_the_stores_dtype(make_tiny_checkpoint, tmp_path)
         model.generate(ids, max_new_tokens=4, do_sample=False)
 
 
-def test_predictors_sized_for_a_method_record_what_each_rank_costs(tiny_opt, tmp_path):
+def test_predictors_sized_for_a_method_record_what_each_rank_costs(tiny_opt, make_tiny_checkpoint, tmp_path):
     """`method` turns on the cost that stops rank growth, at that method's read share (OPT's plain MLP
     reads whole bundles); predictor-gate is refused for an MLP without a gate; without a method the
     growth goes by recall alone."""
-    from flashlm.workflows.predictors import READ_SHARES, read_share
+    from flashlm.methods import PredictorMLP
+    from flashlm.workflows.predictors import read_share
 
     options = TrainOptions(ranks=(4, 8), epochs=2, target_recall=0.9)
     sized = train_store_predictors(
@@ -88,12 +89,16 @@ def test_predictors_sized_for_a_method_record_what_each_rank_costs(tiny_opt, tmp
         tiny_opt, tokens=512, sequence_length=64, options=options, store=tmp_path / "b", progress=False
     )
     assert all(report.touched_tried == {} for report in plain.reports)
-    assert read_share("predictor", gated=False) == READ_SHARES["predictor"] == 1.0
-    assert read_share("predictor-gate", gated=True) == pytest.approx(1 / 3)
+    plain_mlp = flashlm.Store.open(tmp_path / "a")
+    gated = flashlm.convert(
+        make_tiny_checkpoint("llama", dtype=torch.float32), tmp_path / "gated", progress=False
+    )
+    assert read_share("predictor", plain_mlp) == PredictorMLP.READ_SHARE == 1.0
+    assert read_share("predictor-gate", gated) == pytest.approx(1 / 3)
     with pytest.raises(ConfigError, match="no gate"):
-        read_share("predictor-gate", gated=False)
+        read_share("predictor-gate", plain_mlp)
     with pytest.raises(ConfigError, match="not method='dip'"):
-        read_share("dip", gated=True)
+        read_share("dip", gated)
 
 
 def test_too_few_tokens_for_one_window_is_refused_before_any_work(tiny_opt):

@@ -72,6 +72,9 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
     SUMS_ONLY_FIRING: bool
     """Whether the down columns summed are only those of neurons that fire (else of every predicted one:
     the predictor's precision says how many have nonzero coefficients)."""
+    READ_SHARE: float
+    """The share of a predicted neuron's MLP weights the method reads for it, fired or not (what sizing
+    predictors for it weighs: `TrainOptions.read_share`)."""
 
     def __init__(
         self,
@@ -254,6 +257,7 @@ class PredictorMLP(PredictedNeuronsMLP):
 
     KINDS = (BUNDLE,)
     SUMS_ONLY_FIRING = False
+    READ_SHARE = 1.0  # the whole bundle
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -307,6 +311,7 @@ class PredictedGatesMLP(PredictedNeuronsMLP):
 
     KINDS = (GATE, UP_DOWN)
     SUMS_ONLY_FIRING = True
+    READ_SHARE = 1 / 3  # the gate row of gate | up | down
     CACHE_SPLIT = "profile"  # a gate row is used several times as often as an up_down row
 
     @classmethod

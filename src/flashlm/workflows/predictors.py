@@ -15,8 +15,11 @@ from ..config import FlashConfig
 from ..data.corpora import corpus_tokens
 from ..data.models import model_path
 from ..errors import ConfigError
+from ..methods.base import method_class
 from ..methods.mlp import open_checkpoint_store
+from ..methods.predictor import PredictedNeuronsMLP
 from ..predictors import LabelRule, Predictors, TrainOptions, collect_activations, train_predictors
+from ..store import Store
 
 
 def train_store_predictors(
@@ -67,7 +70,7 @@ def train_store_predictors(
     if options.dtype is None:
         options = replace(options, dtype=target.dtype)
     if options.read_share is None and method is not None:
-        options = replace(options, read_share=read_share(method, target.gated))
+        options = replace(options, read_share=read_share(method, target))
     dense = load_checkpoint(path, dtype=torch.float32)  # a relufied one with its FATReLU thresholds
     samples = collect_activations(dense, list(windows), rule=rule, max_rows=tokens, progress=progress)
     del dense
@@ -76,17 +79,14 @@ def train_store_predictors(
     return predictors
 
 
-READ_SHARES = {"predictor": 1.0, "predictor-gate": 1 / 3}
-"""The share of a predicted neuron's MLP parameters each predictor method reads for it: the whole
-bundle, or the gate row of gate | up | down."""
-
-
-def read_share(method: str, gated: bool) -> float:
-    """`TrainOptions.read_share` for predictors that `method` will load."""
-    if method not in READ_SHARES:
-        raise ConfigError(f"Predictors are trained for {' or '.join(READ_SHARES)}, not method={method!r}.")
-    if method == "predictor-gate" and not gated:
+def read_share(method: str, store: Store) -> float:
+    """`TrainOptions.read_share` for predictors that `method` will load from `store` (its
+    `READ_SHARE`); `ConfigError` for a method that loads no predictors, or cannot load `store`'s MLP."""
+    cls = method_class(method)
+    if not issubclass(cls, PredictedNeuronsMLP):
         raise ConfigError(
-            "method='predictor-gate' reads gate rows, and this MLP has no gate: use 'predictor'."
+            f"Predictors are sized for a method that loads them (predictor, predictor-gate), not "
+            f"method={method!r}."
         )
-    return READ_SHARES[method]
+    cls.check_store(store, FlashConfig(method=method))
+    return cls.READ_SHARE
