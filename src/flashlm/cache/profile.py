@@ -31,6 +31,7 @@ from ..errors import ConfigError, FlashLMError
 if TYPE_CHECKING:
     from ..config import FlashConfig
     from ..engine.trace import Trace
+    from ..store import Store
 
 PROFILE_PREFIX = "unit-profile-"
 KEY_OPTIONS = ("method", "density", "input_density", "threshold")
@@ -105,6 +106,15 @@ class UnitProfile:
         save_file(tensors, temporary, metadata=metadata)
         os.replace(temporary, path)
         return path
+
+    @classmethod
+    def of(
+        cls, store: Store, config: FlashConfig, fitted_files: tuple[str, ...], *, needed_by: str
+    ) -> UnitProfile:
+        """The profile of `config`'s method beside `store`, measured with the method's fitted files
+        `fitted_files` as they are now (`load`; `needed_by` names the option that needs it)."""
+        key, fitted = profile_key(config), fitted_digests(store.path, fitted_files)
+        return cls.load(store.path, store.content_sha256, key, fitted, needed_by=needed_by)
 
     @classmethod
     def load(

@@ -24,7 +24,7 @@ from .._utils import format_bytes
 from ..cache import BudgetPlan, NeuronCache, make_policy, split_budget
 from ..cache.placement import Placement, place_hot_neurons
 from ..cache.policies import NO_CACHE
-from ..cache.profile import UnitProfile, fitted_digests, profile_key
+from ..cache.profile import UnitProfile
 from ..store import ALIGNMENT, RowFile, Store, StoreReader
 from ..store.disk import DiskProfile, disk_profile
 from ..store.format import dense_kinds
@@ -164,7 +164,9 @@ class FlashRuntime(Runtime):
     `fitted_files` are the files beside the store the method's selection depends on (its calibration,
     its predictors): a hot set's unit profile must have been measured with them as they are.
     `fitted_bytes` is what the method keeps in memory of them (the predictors' weights): it comes out
-    of the budget first, so that methods compared at one budget hold the same memory.
+    of the budget first, so that methods compared at one budget hold the same memory. `cache_split` is
+    the method's way of sharing the budget between its caches (`FlashMLP.CACHE_SPLIT`), used where
+    `config.cache_split` names none.
 
     The budget covers everything flashlm allocates for streaming: the staging buffers (two per kind,
     one layer's units each, so the next layer's reads land while this layer computes: dense streaming
@@ -220,7 +222,7 @@ class FlashRuntime(Runtime):
         split = config.cache_split or cache_split
         unit_values = None
         if split == "profile" and not dense and config.policy != NO_CACHE:
-            profile = self._unit_profile(fitted_files, "cache_split='profile'")
+            profile = UnitProfile.of(store, config, fitted_files, needed_by="cache_split='profile'")
             unit_values = [saved_bytes(profile, key, row_files[key]) for key in self._cache_keys]
         self.plan: BudgetPlan = split_budget(
             self.budget_bytes,
@@ -295,7 +297,7 @@ class FlashRuntime(Runtime):
         A cache pins at most its planned capacity, its most frequent units; one that holds every unit
         of its layer pins nothing (everything stays resident there anyway)."""
         config = self.config
-        profile = self._unit_profile(fitted_files, "hot_share")
+        profile = UnitProfile.of(self.store, config, fitted_files, needed_by="hot_share")
         values = []
         for key, capacity in self.capacities.items():
             frequency = profile.frequencies[key]
@@ -333,18 +335,6 @@ class FlashRuntime(Runtime):
             100 * self.hot_set_summary["profiled_uses"],
         )
         return placement
-
-    def _unit_profile(self, fitted_files: tuple[str, ...], needed_by: str) -> UnitProfile:
-        """The unit profile of this configuration beside the store (`ProfileMissingError` if there is
-        none: `needed_by` names the option that asked for it)."""
-        store = self.store
-        return UnitProfile.load(
-            store.path,
-            store.content_sha256,
-            profile_key(self.config),
-            fitted_digests(store.path, fitted_files),
-            needed_by=needed_by,
-        )
 
     def make_cache(self, layer: int, kind: str) -> NeuronCache:
         """Layer `layer`'s cache of `kind` units, with the capacity the budget plan gives it (on

@@ -195,10 +195,9 @@ def check_unit_profiles(model_path: Path, specs: list[dict[str, Any]]) -> None:
     """Every flashlm configuration that places its cache by a unit profile (`hot_share`, or
     `cache_split="profile"`, predictor-gate's default) finds one beside its store: else
     `ProfileMissingError`, naming the `flashlm profile` command, now rather than when its turn comes."""
-    from ..cache.profile import ProfileMissingError, UnitProfile, fitted_digests, profile_key
-    from ..methods.mlp import module_class
-    from ..store import SafetensorsSource, Store
-    from ..store.location import default_store_path
+    from ..cache.profile import ProfileMissingError, UnitProfile
+    from ..methods.mlp import checkpoint_store_path, module_class
+    from ..store import Store
 
     for spec in specs:
         if spec["kind"] != "flashlm":
@@ -208,20 +207,14 @@ def check_unit_profiles(model_path: Path, specs: list[dict[str, Any]]) -> None:
         if not cls.needs_unit_profile(config):
             continue
         needed_by = f"--methods {spec.get('method_spec', config.method)}"
-        path = (
-            Path(config.store)
-            if config.store
-            else default_store_path(str(model_path), SafetensorsSource(model_path).fingerprint(), ".flash")
-        )
+        path = checkpoint_store_path(model_path, config)
         if not path.exists():
             raise ProfileMissingError(
                 f"{needed_by} needs a unit profile measured on the model's store, and {model_path} has no "
                 f"store yet: run `flashlm profile --model {model_path} --method {config.method} --density "
                 f"{config.density:g}` first (it converts the store)."
             )
-        store = Store.open(path)
-        fitted = fitted_digests(store.path, cls.FITTED_FILES)
-        UnitProfile.load(store.path, store.content_sha256, profile_key(config), fitted, needed_by=needed_by)
+        UnitProfile.of(Store.open(path), config, cls.FITTED_FILES, needed_by=needed_by)
 
 
 def check_page_cache_drop() -> None:

@@ -17,7 +17,7 @@ from ..engine.runtime import FlashRuntime
 from ..errors import ConfigError
 from ..store import ModuleSource, SafetensorsSource, Store, add_kinds, convert, mlp_content_sha256
 from ..store.convert import layer_weights
-from ..store.location import default_store_path, open_or_convert
+from ..store.location import default_store_path, open_or_convert, store_path
 from .base import METHODS, MethodModule, Replacer, Target, method_class
 
 if TYPE_CHECKING:
@@ -53,6 +53,12 @@ def open_checkpoint_store(checkpoint_dir: str | Path, config: FlashConfig, *, pr
     store = _open_mlp_store(source, str(checkpoint_dir), fingerprint, config, progress)
     store.check_matches(model_type=source.model_type, fingerprint=fingerprint)
     return store
+
+
+def checkpoint_store_path(checkpoint_dir: str | Path, config: FlashConfig) -> Path:
+    """Where `open_checkpoint_store` finds the checkpoint's store (or would convert it)."""
+    fingerprint = SafetensorsSource(checkpoint_dir).fingerprint()
+    return store_path(config.store, str(checkpoint_dir), fingerprint, ".flash")
 
 
 def _open_mlp_store(

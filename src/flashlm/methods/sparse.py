@@ -159,7 +159,15 @@ class SparseMLP(Selection, FlashMLP):
     @classmethod
     def make_runtime(cls, store: Store, config: FlashConfig, fitted: Calibration | None) -> FlashRuntime:
         read_ahead = (cls.INPUT_KIND,) if reads_ahead(config, store, fitted) else ()
-        return FlashRuntime(store, config, cls.KINDS, read_ahead, cls.slot_dtypes(store), cls.FITTED_FILES)
+        return FlashRuntime(
+            store,
+            config,
+            cls.KINDS,
+            read_ahead,
+            cls.slot_dtypes(store),
+            cls.FITTED_FILES,
+            cache_split=cls.CACHE_SPLIT,
+        )
 
     @classmethod
     def build(

@@ -22,6 +22,11 @@ def default_store_path(name: str, key: str, suffix: str = ".flash") -> Path:
     return cache_dir() / "stores" / f"{safe_name}-{key[:16]}{suffix}"
 
 
+def store_path(path: str | Path | None, name: str, key: str, suffix: str = ".flash") -> Path:
+    """The store `path` a config names, or the default one for `name` and `key`."""
+    return Path(path).expanduser() if path else default_store_path(name, key, suffix)
+
+
 def open_or_convert(
     path: str | Path | None,
     name: str,
@@ -33,7 +38,7 @@ def open_or_convert(
     """The store at `path`, or at the default path for `name` and `key` (a fingerprint or content hash);
     converted first (`convert_to(path)`, which writes to a temporary name and renames) if nothing is
     there. The caller checks that it matches the model."""
-    path = Path(path).expanduser() if path else default_store_path(name, key, suffix)
+    path = store_path(path, name, key, suffix)
     if not path.exists():
         logger.warning("flashlm: no store at %s; converting %s (one pass over the weights).", path, name)
         convert_to(path)

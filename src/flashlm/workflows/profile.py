@@ -119,8 +119,8 @@ def load_or_profile(
     (`profile_units(model_path, config, **options)`) when there is none or it is stale."""
     path = resolve_model_path(None if model_path is None else str(model_path))
     store = open_checkpoint_store(path, config, progress=progress)
-    fitted = fitted_digests(store.path, method_class(config.method).FITTED_FILES)
+    fitted_files = method_class(config.method).FITTED_FILES
     try:
-        return UnitProfile.load(store.path, store.content_sha256, profile_key(config), fitted)
+        return UnitProfile.of(store, config, fitted_files, needed_by=f"method={config.method!r}")
     except ProfileMissingError:
         return profile_units(path, config, progress=progress, **options)[0]
