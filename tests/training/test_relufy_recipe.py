@@ -22,6 +22,7 @@ from flashlm.activations import FATReLU, activations, relufy
 from flashlm.cli.main import main as flashlm_main
 from flashlm.data.corpora import CorpusNotFoundError, require
 from flashlm.training.checkpoints import NotRelufiedError, load_checkpoint, load_relufied
+from flashlm.training.data import SAMPLES_NAME
 from flashlm.training.relufy import (
     MODEL_DIR,
     REPORT_NAME,
@@ -145,11 +146,15 @@ def test_load_relufied_refuses_a_checkpoint_it_did_not_write(make_tiny_checkpoin
 def test_the_recipe_relufies_trains_saves_and_measures(tiny_dir, tmp_path, capsys):
     _require_corpus()
     out = tmp_path / "out"
-    argv = _common(tiny_dir, out, extra=("--lora-rank", "4", "--target-zeros", "0.8", "--json"))
+    argv = _common(
+        tiny_dir, out, extra=("--lora-rank", "4", "--target-zeros", "0.8", "--teacher-samples", "5", "--json")
+    )
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report == json.loads((out / REPORT_NAME).read_text())
     assert report["steps"] == 6 and report["reload_exact"] is True
+    assert report["options"]["teacher_samples"] == 5
+    assert torch.load(out / SAMPLES_NAME, weights_only=True)["rows"].shape == (5, 32)
     assert report["options"]["mode"] == "lora" and len(report["thresholds"]) == 2
     stages = report["measurements"]
     assert list(stages) == ["dense", "relufied, not trained", "relufied, trained"]

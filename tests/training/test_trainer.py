@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import tiny_config
+from conftest import build_tiny_model, tiny_config
 from torch import nn
 
 from flashlm.activations import relufy
 from flashlm.errors import ConfigError
 from flashlm.training.activations import dense_activations
-from flashlm.training.data import SequenceSampler, pack
+from flashlm.training.data import SAMPLE_PROMPT_TOKENS, SequenceSampler, pack, teacher_samples
 from flashlm.training.trainer import (
     LOG_NAME,
     RESULT_NAME,
@@ -103,6 +103,40 @@ def test_pack_and_the_sampler_are_deterministic_and_disjoint():
     assert sorted(epoch) == list(range(10))  # every row once per epoch
     with pytest.raises(ConfigError):
         pack(torch.arange(10), 1)
+
+
+def test_teacher_samples_continue_real_prompts_and_are_cached(tmp_path, monkeypatch):
+    teacher = build_tiny_model("llama")
+    eos = teacher.generation_config.eos_token_id
+
+    def prefer_the_end(module, inputs, logits):  # unsuppressed, every sampled token would be the end
+        logits[..., eos] += 30.0
+
+    teacher.lm_head.register_forward_hook(prefer_the_end)
+    sequences = torch.randint(3, 100, (5, 24), generator=torch.Generator().manual_seed(0))
+    cache = tmp_path / "samples.pt"
+    rows = teacher_samples(teacher, sequences, 7, seed=1, source="tiny", cache=cache)
+    assert rows.shape == (7, 24) and rows.dtype == torch.int64
+    prompts = {tuple(r[:SAMPLE_PROMPT_TOKENS].tolist()) for r in sequences}
+    assert all(tuple(r[:SAMPLE_PROMPT_TOKENS].tolist()) in prompts for r in rows)
+    assert len({tuple(r[:SAMPLE_PROMPT_TOKENS].tolist()) for r in rows}) == 5  # every row prompts once first
+    assert not (rows[:, SAMPLE_PROMPT_TOKENS:] == eos).any()  # no early end, so no padding
+    assert not torch.equal(
+        rows, teacher_samples(teacher, sequences, 7, seed=2, source="tiny", cache=tmp_path / "b")
+    )
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("sampled again instead of reading the cache")
+
+    monkeypatch.setattr(teacher, "generate", refuse)
+    assert torch.equal(teacher_samples(teacher, sequences, 7, seed=1, source="tiny", cache=cache), rows)
+    with pytest.raises(AssertionError, match="sampled again"):  # another teacher: the cache does not fit
+        teacher_samples(teacher, sequences, 7, seed=1, source="other", cache=cache)
+    assert teacher_samples(teacher, sequences, 0, seed=1, source="tiny", cache=cache).shape == (0, 24)
+    with pytest.raises(ConfigError, match="seq_len > 16"):
+        teacher_samples(teacher, sequences[:, :16], 3, seed=1, source="tiny", cache=cache)
+    with pytest.raises(ConfigError, match=">= 0"):
+        teacher_samples(teacher, sequences, -1, seed=1, source="tiny", cache=cache)
 
 
 # ---- training ---------------------------------------------------------------------------------------

@@ -279,6 +279,7 @@ class LoraOptions:
     dropout: float = 0.0
     corpora: tuple[str, ...] = DEFAULT_TRAIN_CORPORA
     seq_len: int = 128
+    teacher_samples: int = 0
     mixed_precision: str = "no"
     fuse: bool = True
     evaluate: bool = True
@@ -297,6 +298,8 @@ class LoraOptions:
             raise ConfigError(f"rank must be >= 1, got {self.rank}.")
         if self.seq_len < 2:
             raise ConfigError(f"seq_len must be >= 2, got {self.seq_len}.")
+        if self.teacher_samples < 0:
+            raise ConfigError(f"teacher_samples must be >= 0, got {self.teacher_samples}.")
         if self.flash_config().method not in MASKED_MLPS:
             raise ConfigError(
                 f"LoRA recovery trains under the masks of {', '.join(MASKED_MLPS)}; {self.method!r} is not "
@@ -427,7 +430,7 @@ def run(
     from ..data.models import model_path
     from ..methods.mlp import open_checkpoint_store
     from .checkpoints import load_checkpoint
-    from .data import corpus_sequences
+    from .data import SAMPLES_NAME, corpus_sequences, teacher_samples
     from .relufy import lora_targets
     from .trainer import ModelTeacher, Trainer, make_accelerator
 
@@ -451,6 +454,19 @@ def run(
 
     set_seed(train.seed)
     model = load_checkpoint(path, dtype=torch.float32)
+    dense = None
+    if flash_config.method == "endor":  # the pruned weights are not the dense ones: a frozen dense copy
+        dense = load_checkpoint(dense_source(path), dtype=torch.float32).requires_grad_(False)
+    with accelerator.main_process_first():  # the main process samples, the others read its rows
+        sampled = teacher_samples(
+            dense if dense is not None else model,
+            sequences,
+            options.teacher_samples,
+            seed=train.seed,
+            source=str(dense_source(path) if dense is not None else path),
+            cache=out / SAMPLES_NAME,
+            progress=options.progress and main,
+        )
     mask_mlps(model, store, flash_config)
     lora = LoraConfig(
         r=options.rank,
@@ -460,15 +476,14 @@ def run(
         bias="none",
     )
     student = get_peft_model(model, lora)
-    if flash_config.method == "endor":  # the pruned weights are not the dense ones: a frozen dense copy
-        dense = load_checkpoint(dense_source(path), dtype=torch.float32).to(accelerator.device)
-        teacher = ModelTeacher(dense.requires_grad_(False))
+    if dense is not None:
+        teacher = ModelTeacher(dense.to(accelerator.device))
     else:
         teacher = ModelTeacher(student, (student.disable_adapter, lambda: dense_mlps(student)))
     record = lora_record(options, store, str(path))
     trainer = Trainer(
         student,
-        sequences,
+        torch.cat([sequences, sampled]),
         train,
         teacher=teacher,
         accelerator=accelerator,

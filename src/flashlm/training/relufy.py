@@ -8,7 +8,8 @@ The recipe (LLM in a flash §1 and appendix C.4 "Relufication", which adds the d
 PowerInfer; Mirzadeh et al.), in steps:
 
 1. Load the dense model (float32 for training) and pack the `"calibration"` split of the training
-   corpora into `seq_len`-token rows (`flashlm.training.data`).
+   corpora into `seq_len`-token rows (`flashlm.training.data`); with `teacher_samples`, add that
+   many rows sampled from the dense model (`data.teacher_samples`).
 2. Pick the thresholds: ReLU (0), one FATReLU threshold for every layer (`threshold`), or, by
    default, per-layer thresholds at the `target_zeros` quantile of each layer's gate pre-activations
    on calibration text (`activations.calibrate_thresholds`). They are kept in `OUT/thresholds.json`,
@@ -113,6 +114,7 @@ class RelufyOptions:
     teacher: Literal["shared", "copy"] | None = None
     corpora: tuple[str, ...] = DEFAULT_TRAIN_CORPORA
     seq_len: int = 128
+    teacher_samples: int = 0
     mixed_precision: Literal["no", "bf16"] = "no"
     save_dtype: str = "auto"
     evaluate: bool = True
@@ -148,6 +150,8 @@ class RelufyOptions:
             raise ConfigError(f"lora_targets must be 'all' or 'mlp', got {self.lora_targets!r}.")
         if self.seq_len < 2:
             raise ConfigError(f"seq_len must be >= 2, got {self.seq_len}.")
+        if self.teacher_samples < 0:
+            raise ConfigError(f"teacher_samples must be >= 0, got {self.teacher_samples}.")
         for name in (self.eval_dtype, *(() if self.save_dtype == "auto" else (self.save_dtype,))):
             if not isinstance(getattr(torch, name, None), torch.dtype):
                 raise ConfigError(f"{name!r} is not a torch dtype (use float32, bfloat16 or float16).")
@@ -383,7 +387,7 @@ def run(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..data.models import model_path
-    from .data import corpus_sequences
+    from .data import SAMPLES_NAME, corpus_sequences, teacher_samples
     from .trainer import ModelTeacher, Trainer, make_accelerator
 
     started = time.perf_counter()
@@ -407,14 +411,24 @@ def run(
 
             for name in options.eval_corpora:
                 corpus_tokens(name, tokenizer, split="test")
-    say(
-        f"training on {sequences.shape[0]} sequences of {options.seq_len} tokens "
-        f"({', '.join(options.corpora)})"
-    )
     from accelerate.utils import set_seed
 
     set_seed(train.seed)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with accelerator.main_process_first():  # the main process samples, the others read its rows
+        sampled = teacher_samples(
+            model,
+            sequences,
+            options.teacher_samples,
+            seed=train.seed,
+            source=str(path),
+            cache=out / SAMPLES_NAME,
+            progress=options.progress and main,
+        )
+    say(
+        f"training on {sequences.shape[0]} sequences of {options.seq_len} tokens "
+        f"({', '.join(options.corpora)}) and {sampled.shape[0]} sampled from the dense model"
+    )
     eval_dtype = _dtype(options.eval_dtype)
     measurements: dict[str, dict[str, Any]] = {}
 
@@ -473,7 +487,12 @@ def run(
         "thresholds": thresholds,
     }
     trainer = Trainer(
-        student, sequences, train, teacher=teacher, accelerator=accelerator, fingerprint_extra=extra
+        student,
+        torch.cat([sequences, sampled]),
+        train,
+        teacher=teacher,
+        accelerator=accelerator,
+        fingerprint_extra=extra,
     )
     result = trainer.train(on_step=on_step)
     accelerator.wait_for_everyone()

@@ -251,6 +251,12 @@ def add_recipe_arguments(parser: argparse.ArgumentParser, *, outputs: str) -> No
         "--corpora", type=names, default=DEFAULT_TRAIN_CORPORA, help="training corpora (calibration splits)"
     )
     p.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence (default: 128)")
+    p.add_argument(
+        "--teacher-samples",
+        type=int,
+        default=0,
+        help="also train on this many sequences sampled from the dense model (default: 0)",
+    )
 
 
 def recipe_options_from_args(args: argparse.Namespace) -> dict:
@@ -261,6 +267,7 @@ def recipe_options_from_args(args: argparse.Namespace) -> dict:
         "model": args.model,
         "corpora": args.corpora,
         "seq_len": args.seq_len,
+        "teacher_samples": args.teacher_samples,
         "mixed_precision": args.mixed_precision,
         "evaluate": args.evaluate,
         "eval_corpora": args.eval_corpora,
