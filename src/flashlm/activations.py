@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .arch import MLPSpec, find_mlps, model_type_of, spec_for
-from .errors import ConfigError
+from .errors import ConfigError, RelufiedCheckpointError
 
 RELU = "relu"
 FATRELU = "fatrelu"
@@ -143,6 +143,21 @@ def _thresholds(thresholds: float | Sequence[float], layers: int) -> list[float]
     if bad:
         raise ConfigError(f"FATReLU thresholds must be >= 0 (0 is ReLU), got {bad[:3]}.")
     return values
+
+
+def fatrelu_by_name() -> nn.Module:
+    """What transformers' activation table (`ACT2FN["fatrelu"]`, registered on `import flashlm`) builds
+    for a relufied checkpoint's `hidden_act`: nothing, loudly. The thresholds are per layer, in the
+    config's `relufication` record, which an activation built from its name cannot see; building a
+    plain ReLU would silently load another model, and without this entry transformers fails with a
+    bare `KeyError: 'fatrelu'`."""
+    raise RelufiedCheckpointError(
+        "This checkpoint was relufied by flashlm (hidden_act='fatrelu', per-layer thresholds in its "
+        "config's 'relufication' record), which transformers cannot build from the config alone. Load "
+        "it with flashlm.training.checkpoints.load_checkpoint(path), or pass "
+        "config=flashlm.training.checkpoints.buildable_config(path) to from_pretrained (with "
+        "quantization_config=FlashConfig(...) to stream it)."
+    )
 
 
 def relufy(model: nn.Module, thresholds: float | Sequence[float] = 0.0) -> list[str]:

@@ -11,6 +11,10 @@ class ConfigError(FlashLMError, ValueError):
     """A `FlashConfig` option is out of range or inconsistent with the model."""
 
 
+class RelufiedCheckpointError(FlashLMError, ValueError):
+    """A relufied (FATReLU) checkpoint was built from its config alone, without its thresholds."""
+
+
 class UnsupportedArchitectureError(FlashLMError, ValueError):
     """The model's `model_type` has no entry in flashlm's architecture table."""
 

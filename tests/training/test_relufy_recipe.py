@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from flashlm.activations import FATReLU, activations, relufy
 from flashlm.cli.main import main as flashlm_main
 from flashlm.data.corpora import CorpusNotFoundError, require
+from flashlm.errors import RelufiedCheckpointError
 from flashlm.training.checkpoints import NotRelufiedError, load_checkpoint, load_relufied
 from flashlm.training.data import SAMPLES_NAME
 from flashlm.training.relufy import (
@@ -119,9 +120,10 @@ def test_the_saved_checkpoint_reloads_with_identical_logits(tmp_path, thresholds
         plain = AutoModelForCausalLM.from_pretrained(saved)
         assert torch.equal(_logits(plain, ids), expected)
     else:
-        # a thresholded ReLU is not: plain transformers refuses it loudly instead of building another model
+        # a thresholded ReLU is not: plain transformers refuses it, saying how to load it, instead of
+        # building another model
         assert config["hidden_act"] == "fatrelu"
-        with pytest.raises(KeyError, match="fatrelu"):
+        with pytest.raises(RelufiedCheckpointError, match=r"load_checkpoint\(path\)"):
             AutoModelForCausalLM.from_pretrained(saved)
     # the weights file holds the architecture's ordinary tensors, nothing more
     from safetensors import safe_open

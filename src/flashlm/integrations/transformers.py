@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from transformers.activations import ACT2FN
 from transformers.quantizers import HfQuantizer
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
@@ -15,6 +16,7 @@ from transformers.quantizers.auto import (
     register_quantizer,
 )
 
+from ..activations import FATRELU, fatrelu_by_name
 from ..config import QUANT_METHOD, FlashConfig
 from ..errors import ConfigError
 from ..patching import dense_weights, flashlm_modules, patch_for_loading
@@ -91,7 +93,10 @@ def _own_state_keys(model) -> set[str]:
 
 
 def register() -> None:
-    """Make `quant_method="flashlm"` known to transformers (idempotent)."""
+    """Make `quant_method="flashlm"` known to transformers, and `hidden_act="fatrelu"` an activation name
+    that fails with what to do (`activations.fatrelu_by_name`); idempotent."""
+    if FATRELU not in ACT2FN:
+        ACT2FN[FATRELU] = fatrelu_by_name
     if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         register_quantization_config(QUANT_METHOD)(FlashConfig)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:

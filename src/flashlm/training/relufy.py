@@ -29,8 +29,8 @@ PowerInfer; Mirzadeh et al.), in steps:
 Loading the result: a ReLU checkpoint (every threshold 0) has `hidden_act="relu"` and loads with
 plain `AutoModelForCausalLM.from_pretrained`. transformers has no thresholded ReLU among its
 activations (`ACT2FN`), so a FATReLU checkpoint says `hidden_act="fatrelu"` — plain
-`from_pretrained` then fails loudly (`KeyError: 'fatrelu'`) instead of silently loading a different
-model — and loads with `load_relufied(path)`, which reads the thresholds from `config.json`
+`from_pretrained` then fails loudly (`RelufiedCheckpointError`, saying how to load it) instead of
+silently loading a different model — and loads with `load_relufied(path)`, which reads the thresholds from `config.json`
 (`relufication`) and installs the FATReLU modules; its logits equal the trained model's exactly.
 
 `OUT/train/` holds the trainer's `log.jsonl` (loss per step) and checkpoints: the same command run
