@@ -30,8 +30,9 @@ Loading the result: a ReLU checkpoint (every threshold 0) has `hidden_act="relu"
 plain `AutoModelForCausalLM.from_pretrained`. transformers has no thresholded ReLU among its
 activations (`ACT2FN`), so a FATReLU checkpoint says `hidden_act="fatrelu"` — plain
 `from_pretrained` then fails loudly (`RelufiedCheckpointError`, saying how to load it) instead of
-silently loading a different model — and loads with `load_relufied(path)`, which reads the thresholds from `config.json`
-(`relufication`) and installs the FATReLU modules; its logits equal the trained model's exactly.
+silently loading a different model — and loads with `load_relufied(path)`, which reads the
+thresholds from `config.json` (`relufication`) and installs the FATReLU modules; its logits equal
+the trained model's exactly.
 
 `OUT/train/` holds the trainer's `log.jsonl` (loss per step) and checkpoints: the same command run
 again after a kill resumes from the newest checkpoint.
