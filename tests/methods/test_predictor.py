@@ -110,6 +110,54 @@ def test_only_predicted_bundles_are_read_and_the_window_loads_the_increment(tmp_
     assert sum(step["hits"] for step in decode) > 0
 
 
+@pytest.mark.parametrize("method", ["predictor", "predictor-gate"])
+def test_reads_guessed_a_layer_ahead_change_nothing_but_the_reads(method, tmp_path, monkeypatch):
+    """A decode step starts reading the first-round units the next layer's predictor names for this
+    layer's input. What each layer computes is still what its own predictor names, so logits, tokens,
+    hits and misses are those of a run without guesses; every byte read is in the stats, and no guess is
+    left in flight."""
+    model, path = relu_checkpoint("llama", tmp_path)
+    store = flashlm.convert(path, tmp_path / "store", progress=False)
+    exact_predictors(model, threshold_logit=-0.05).save(store.path)
+    ids = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(6))
+    runs = {}
+    for read_ahead in (False, None):
+        patched = load(path, store.path, method, density=0.6, cache_split="size", read_ahead=read_ahead)
+        runtime = streaming_mlps(patched)[0].runtime
+        guesses = []
+        monkeypatch.setattr(
+            runtime, "guess", lambda *args, g=runtime.guess, seen=guesses: (seen.append(args), g(*args))
+        )
+        taken = []
+        monkeypatch.setattr(
+            runtime,
+            "submit_after",
+            lambda guess, miss_ids, s=runtime.submit_after, seen=taken: (
+                seen.append(guess),
+                s(guess, miss_ids),
+            )[1],
+        )
+        with torch.no_grad():
+            logits = patched(ids).logits
+            tokens = patched.generate(ids, max_new_tokens=5, do_sample=False)
+        runtime.drain()
+        assert runtime._guess is None
+        assert flashlm.stats(patched).totals()["bytes_read"] == runtime.reader.bytes_read > 0
+        runs[read_ahead] = (logits, tokens, flashlm.stats(patched).totals(decode_only=True), guesses, taken)
+    (logits, tokens, totals, none, _), (logits_g, tokens_g, totals_g, guesses, taken) = (
+        runs[False],
+        runs[None],
+    )
+    layers = len(streaming_mlps(patched))
+    assert none == [] and len(guesses) == 4 * (layers - 1)  # every decode step, every layer but the last
+    kind = MODULES[method].KINDS[0]
+    assert {(layer, k) for layer, k, _, _ in guesses} == {(layer, kind) for layer in range(1, layers)}
+    assert len(taken) == len(guesses)  # each guess completed by its layer's read, none dropped
+    assert torch.equal(logits, logits_g) and torch.equal(tokens, tokens_g)
+    assert (totals["hits"], totals["misses"]) == (totals_g["hits"], totals_g["misses"])
+    assert totals_g["bytes_read"] >= totals["bytes_read"]
+
+
 def test_gate_first_reads_up_and_down_of_only_the_neurons_that_fire(tmp_path):
     """A predictor that names more neurons than fire: both methods give the same logits and tokens, and
     the gate-first one reads every predicted gate row but the up_down rows of the firing ones alone."""

@@ -268,6 +268,10 @@ class FlashRuntime(Runtime):
         """The cache update each (layer, kind) has queued on the I/O thread (`update_later`)."""
         self._guess: Guess | None = None
         """The read `guess` started for the next layer, until that layer `take_guess`es it."""
+        self.selections: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
+        """Each layer's own selection (tokens `[T, d_model]` -> `[T, units]` mask of its first read), for
+        methods whose guess of the next layer's units needs that layer's selector (a predictor's weights)
+        rather than their own; the modules register it when built."""
         self.trace = TraceRecorder() if config.record_trace else None
         self.every_unit_resident = False
         """True once every cache holds every unit of its layer (a budget that fits the whole MLP): then
@@ -491,11 +495,13 @@ class FlashRuntime(Runtime):
         return self._nothing_of_kind[(kind, buffer)]
 
     def guess(self, layer: int, kind: str, ids: torch.Tensor, buffer: int) -> None:
-        """Start reading units `ids` of `layer`'s `kind`, which its forward will probably select, into
-        staging buffer `buffer` (one the forward running now does not use). Queued after the reads and
-        cache updates already submitted, so it overlaps the compute between here and that layer."""
+        """Start reading the uncached ones of units `ids` of `layer`'s `kind`, which its forward will
+        probably select, into staging buffer `buffer` (one the forward running now does not use). Queued
+        after the reads and cache updates already submitted, so it overlaps the compute between here and
+        that layer."""
         self.take_guess(-1, kind)  # one guess at a time: an unclaimed one is waited for and dropped
-        ids = ids.cpu()
+        self.settle(layer, kind)
+        ids = self.caches[(layer, kind)].missing(ids).cpu()
         self._guess = Guess(layer, kind, buffer, ids, self.submit(layer, kind, ids, buffer))
 
     def take_guess(self, layer: int, kind: str) -> Guess | None:

@@ -6,7 +6,9 @@ A neuron's bundle (the store's `bundle` kind) is its gate row, up row and down c
 flash §3.2). The bundles pass through the layer's cache like any unit; with `policy="window"` and
 `window=k` the cache keeps the neurons the last k tokens used and each token loads only those it
 adds (LLM in a flash §3.1's sliding window). A forward of many tokens (prefill) reads the union of
-their predicted neurons and computes each token with its own mask.
+their predicted neurons and computes each token with its own mask. While a decode step computes a
+layer, the reads of the next layer's neurons start: those the next layer's predictor names for this
+layer's input, most of which it will name for its own.
 
 A neuron the predictor misses contributes nothing; where the activation is ReLU-like (exactly zero
 below a threshold) a neuron it rightly skips contributes nothing either, so the method is exact on
@@ -32,7 +34,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ..cache import NeuronCache
-from ..engine.runtime import FlashRuntime
+from ..engine.runtime import FlashRuntime, Guess
 from ..engine.stats import StageTimes
 from ..errors import ConfigError
 from ..ops import ColumnProduct, RowProduct
@@ -106,6 +108,10 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
         self.input_product = RowProduct.measure(dtype, d_model, k_max // 2)
         """How gate and up rows are dotted with the tokens where they lie (`RowProduct`), for calls of
         about half the kept neurons (the hits, then the misses)."""
+        self.guesses_ahead = runtime.config.read_ahead is not False
+        """Whether a decode step starts reading, a layer ahead, the first-round units the next layer's
+        predictor names for this layer's input (`_guess_ahead`)."""
+        runtime.selections[layer] = self.select
 
     # ---- how the engine builds it -----------------------------------------------------------
 
@@ -187,6 +193,23 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
         times.select_s += perf_counter() - started
         return mask
 
+    def _taken_guess(self, kind: str) -> Guess | None:
+        """What the layer before read for this layer's first round (`_guess_ahead`), if anything."""
+        return self.runtime.take_guess(self.layer, kind) if self.guesses_ahead else None
+
+    def _guess_ahead(self, x: torch.Tensor, kind: str, taken: Guess | None) -> Callable[[], None] | None:
+        """For one token, the start of the next layer's guess: a read of the units of `kind` the next
+        layer's predictor names for `x`, into the staging buffer this layer's first round does not use.
+        The residual stream changes little from one layer to the next, so most of them will be named
+        there (DIP's layer-ahead read; DejaVu's observation that activations can be predicted a layer
+        early). A guess only reads early: a layer computes what its own predictor names."""
+        following = self.layer + 1
+        select = self.runtime.selections.get(following)
+        if not self.guesses_ahead or x.shape[0] != 1 or select is None:  # the last layer: the next
+            return None  # token's first layer sees a new embedding
+        buffer = 1 - (0 if taken is None else taken.buffer)
+        return lambda: self.runtime.guess(following, kind, union_ids(select(x)), buffer)
+
     def _round(
         self,
         kind: str,
@@ -194,17 +217,30 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
         ids: torch.Tensor,
         compute: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
         times: StageTimes,
+        *,
+        taken: Guess | None = None,
+        then: Callable[[], None] | None = None,
     ) -> Callable[[], None]:
         """Look up and read the units `ids` of `kind`, calling `compute(rows, ids, index)` on the cached ones
         (overlapping the read) and then on the read ones, the row of unit `ids[k]` being `rows[index[k]]`.
-        Returns the cache's update, for the I/O thread."""
+        Returns the cache's update, for the I/O thread.
+
+        `taken`: the guess the layer before read for this round (`_taken_guess`), completed by the
+        read. `then` runs once the read is submitted (the next layer's guess, `_guess_ahead`, which
+        the I/O thread then reads after it)."""
         runtime, layer = self.runtime, self.layer
         runtime.settle(layer, kind)
         started = perf_counter()
         hit_ids, hit_slots, miss_ids = cache.lookup(ids)
         looked_up = perf_counter()
-        pending = runtime.submit(layer, kind, miss_ids)
+        if taken is None:
+            pending = runtime.submit(layer, kind, miss_ids)
+        else:
+            pending = runtime.submit_after(taken, miss_ids)
         submitted = perf_counter()
+        if then is not None:
+            then()
+        guessed = perf_counter()
         if hit_ids.numel():
             compute(cache.rows, hit_ids, hit_slots)
         waiting = perf_counter()
@@ -215,8 +251,9 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
         done = perf_counter()
         times.lookup_s += looked_up - started
         times.submit_s += submitted - looked_up
+        times.select_s += guessed - submitted  # the guess is a selection
         times.io_s += read - waiting
-        times.compute_s += (waiting - submitted) + (done - read)
+        times.compute_s += (waiting - guessed) + (done - read)
         times.io_busy_s += fetched.busy_s
         times.bytes_read += fetched.bytes_read
         times.reads += fetched.reads
@@ -274,7 +311,11 @@ class PredictorMLP(PredictedNeuronsMLP):
         def bundles(rows: torch.Tensor, ids: torch.Tensor, index: torch.Tensor) -> None:
             self._bundles(out, x, mask, rows, ids, index)
 
-        update = self._round(BUNDLE, self.bundle_cache, union_ids(mask), bundles, times)
+        taken = self._taken_guess(BUNDLE)
+        ahead = self._guess_ahead(x, BUNDLE, taken)
+        update = self._round(
+            BUNDLE, self.bundle_cache, union_ids(mask), bundles, times, taken=taken, then=ahead
+        )
         if self.down_bias is not None:
             out += self.down_bias
         self._finish(update, x.shape[0], before, times, used_bytes=int(mask.sum()) * self._row_bytes[BUNDLE])
@@ -333,7 +374,8 @@ class PredictedGatesMLP(PredictedNeuronsMLP):
         def gates(rows: torch.Tensor, ids: torch.Tensor, index: torch.Tensor) -> None:
             gate[:, ids] = self.act(self.input_product(x, rows, index))
 
-        update_gates = self._round(GATE, self.gate_cache, union_ids(predicted), gates, times)
+        taken = self._taken_guess(GATE)
+        update_gates = self._round(GATE, self.gate_cache, union_ids(predicted), gates, times, taken=taken)
         # A neuron predicted for one token only counts for that token; one that does not fire (its
         # activation exactly zero) contributes nothing, and its up row and down column are not read.
         hidden = gate * predicted
@@ -344,11 +386,16 @@ class PredictedGatesMLP(PredictedNeuronsMLP):
             up = self.input_product(x, rows[:, :d], index)
             self.down_product(out, (hidden[:, ids] * up).float(), rows[:, d:], index)
 
-        update_up_downs = self._round(UP_DOWN, self.up_down_cache, union_ids(firing), up_downs, times)
+        # the next layer's gate rows are read after this round's up_down rows, which this layer waits for
+        ahead = self._guess_ahead(x, GATE, taken)
+        update_up_downs = self._round(
+            UP_DOWN, self.up_down_cache, union_ids(firing), up_downs, times, then=ahead
+        )
         if self.down_bias is not None:
             out += self.down_bias
         used = int(predicted.sum()) * self._row_bytes[GATE] + int(firing.sum()) * self._row_bytes[UP_DOWN]
         # The gate cache's update may wait past the second round: it copies from the gate kind's
-        # staging matrix, which no read reuses before the next layer's forward.
+        # staging matrix, which no read reuses before the next layer's forward (its guess reads into
+        # the other one).
         self._finish(lambda: (update_gates(), update_up_downs()), tokens, before, times, used_bytes=used)
         return out.to(hidden_states.dtype).reshape(hidden_states.shape)

@@ -420,7 +420,7 @@ class SparseMLP(Selection, FlashMLP):
         cache = runtime.caches[(following, self.INPUT_KIND)]
         mask = self.select_input(x, self._residency(cache))
         ids = runtime.unit_ids[: cache.num_units] if mask is None else union_ids(mask)
-        runtime.guess(following, self.INPUT_KIND, cache.missing(ids), buffer)
+        runtime.guess(following, self.INPUT_KIND, ids, buffer)
 
     def _sequential_stage(self, kind, cache: NeuronCache, select, values: torch.Tensor, times: StageTimes):
         """Read the whole matrix, then select and update the cache token by token, as decoding would."""
