@@ -112,16 +112,16 @@ def test_only_predicted_bundles_are_read_and_the_window_loads_the_increment(tmp_
 
 @pytest.mark.parametrize("method", ["predictor", "predictor-gate"])
 def test_reads_guessed_a_layer_ahead_change_nothing_but_the_reads(method, tmp_path, monkeypatch):
-    """A decode step starts reading the first-round units the next layer's predictor names for this
-    layer's input. What each layer computes is still what its own predictor names, so logits, tokens,
-    hits and misses are those of a run without guesses; every byte read is in the stats, and no guess is
-    left in flight."""
+    """With `read_ahead=True` a decode step starts reading the first-round units the next layer's
+    predictor names for this layer's input (by default it does not). What each layer computes is still
+    what its own predictor names, so logits, tokens, hits and misses are those of a run without guesses;
+    every byte read is in the stats, and no guess is left in flight."""
     model, path = relu_checkpoint("llama", tmp_path)
     store = flashlm.convert(path, tmp_path / "store", progress=False)
     exact_predictors(model, threshold_logit=-0.05).save(store.path)
     ids = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(6))
     runs = {}
-    for read_ahead in (False, None):
+    for read_ahead in (None, True):
         patched = load(path, store.path, method, density=0.6, cache_split="size", read_ahead=read_ahead)
         runtime = streaming_mlps(patched)[0].runtime
         guesses = []
@@ -145,8 +145,8 @@ def test_reads_guessed_a_layer_ahead_change_nothing_but_the_reads(method, tmp_pa
         assert flashlm.stats(patched).totals()["bytes_read"] == runtime.reader.bytes_read > 0
         runs[read_ahead] = (logits, tokens, flashlm.stats(patched).totals(decode_only=True), guesses, taken)
     (logits, tokens, totals, none, _), (logits_g, tokens_g, totals_g, guesses, taken) = (
-        runs[False],
         runs[None],
+        runs[True],
     )
     layers = len(streaming_mlps(patched))
     assert none == [] and len(guesses) == 4 * (layers - 1)  # every decode step, every layer but the last

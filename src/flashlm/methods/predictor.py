@@ -6,9 +6,9 @@ A neuron's bundle (the store's `bundle` kind) is its gate row, up row and down c
 flash §3.2). The bundles pass through the layer's cache like any unit; with `policy="window"` and
 `window=k` the cache keeps the neurons the last k tokens used and each token loads only those it
 adds (LLM in a flash §3.1's sliding window). A forward of many tokens (prefill) reads the union of
-their predicted neurons and computes each token with its own mask. While a decode step computes a
-layer, the reads of the next layer's neurons start: those the next layer's predictor names for this
-layer's input, most of which it will name for its own.
+their predicted neurons and computes each token with its own mask. With `read_ahead=True`, while a
+decode step computes a layer the reads of the next layer's neurons start: those the next layer's
+predictor names for this layer's input, most of which it will name for its own.
 
 A neuron the predictor misses contributes nothing; where the activation is ReLU-like (exactly zero
 below a threshold) a neuron it rightly skips contributes nothing either, so the method is exact on
@@ -108,9 +108,11 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
         self.input_product = RowProduct.measure(dtype, d_model, k_max // 2)
         """How gate and up rows are dotted with the tokens where they lie (`RowProduct`), for calls of
         about half the kept neurons (the hits, then the misses)."""
-        self.guesses_ahead = runtime.config.read_ahead is not False
+        self.guesses_ahead = runtime.config.read_ahead is True
         """Whether a decode step starts reading, a layer ahead, the first-round units the next layer's
-        predictor names for this layer's input (`_guess_ahead`)."""
+        predictor names for this layer's input (`_guess_ahead`). Opt-in (`FlashConfig.read_ahead`):
+        it paid on relufied SmolLM2, whose small reads wait on latency, and lost on relufied Qwen2.5-1.5B,
+        where the second predictor evaluation and the wrongly guessed rows cost more than it saved."""
         runtime.selections[layer] = self.select
 
     # ---- how the engine builds it -----------------------------------------------------------
