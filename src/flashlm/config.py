@@ -152,8 +152,8 @@ class FlashConfig(QuantizationConfigMixin):
             The predictor methods read a layer ahead only with `True`: the first-round units (bundles,
             or gate rows) the next layer's predictor names for this layer's input. It costs a second
             predictor evaluation per layer and reads some units the next layer does not name: measured
-            with `benchmarks`' decode harness at a 50% budget it made relufied SmolLM2 8-28% faster
-            and relufied Qwen2.5-1.5B 7-11% slower, so it is not the default.
+            in the decode harness at a 50% budget it made relufied SmolLM2 8-28% faster and relufied
+            Qwen2.5-1.5B about 9% slower, so it is not the default.
         sequential_prefill: compute a multi-token forward exactly as that many one-token decode
             steps would (cache-aware masks see the cache evolve token by token) instead of masking
             every token against the cache as it was when the forward began. Slower; the perplexity
