@@ -113,7 +113,8 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
         predictor names for this layer's input (`_guess_ahead`). Opt-in (`FlashConfig.read_ahead`):
         it paid on relufied SmolLM2, whose small reads wait on latency, and lost on relufied Qwen2.5-1.5B,
         where the second predictor evaluation and the wrongly guessed rows cost more than it saved."""
-        runtime.selections[layer] = self.select
+        if self.guesses_ahead:
+            runtime.selections[layer] = self.select
 
     # ---- how the engine builds it -----------------------------------------------------------
 
@@ -206,9 +207,10 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
         there (DIP's layer-ahead read; DejaVu's observation that activations can be predicted a layer
         early). A guess only reads early: a layer computes what its own predictor names."""
         following = self.layer + 1
+        # none after the last layer: the next token's first layer sees a new embedding
         select = self.runtime.selections.get(following)
-        if not self.guesses_ahead or x.shape[0] != 1 or select is None:  # the last layer: the next
-            return None  # token's first layer sees a new embedding
+        if not self.guesses_ahead or x.shape[0] != 1 or select is None:
+            return None
         buffer = 1 - (0 if taken is None else taken.buffer)
         return lambda: self.runtime.guess(following, kind, union_ids(select(x)), buffer)
 
