@@ -139,6 +139,15 @@ def test_teacher_samples_continue_real_prompts_and_are_cached(tmp_path, monkeypa
         teacher_samples(teacher, sequences, -1, seed=1, source="tiny", cache=cache)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_teacher_samples_on_another_device_come_back_to_the_cpu(device, tmp_path):
+    teacher = build_tiny_model("llama")
+    sequences = torch.randint(3, 100, (4, 20), generator=torch.Generator().manual_seed(0))
+    rows = teacher_samples(teacher, sequences, 3, seed=0, source="tiny", cache=tmp_path / "s", device=device)
+    assert rows.device.type == "cpu" and rows.shape == (3, 20)
+    assert next(teacher.parameters()).device.type == "cpu"  # the recipe's model stays where it was
+
+
 # ---- training ---------------------------------------------------------------------------------------
 
 

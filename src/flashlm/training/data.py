@@ -116,6 +116,7 @@ def teacher_samples(
     seed: int,
     source: str,
     cache: str | os.PathLike,
+    device: torch.device | str | None = None,
     progress: bool = False,
 ) -> torch.Tensor:
     """`[count, L]` rows sampled from the dense `teacher` (temperature 1): more text to distil on.
@@ -126,6 +127,9 @@ def teacher_samples(
     distillation should match (LLM-QAT's data-free distillation). Each row continues the first
     `SAMPLE_PROMPT_TOKENS` tokens of a row of `sequences`, drawn with `seed`, to `L =
     sequences.shape[1]` tokens (end-of-sequence suppressed, so no row is padded).
+
+    The teacher samples on `device` (None: where it is) and is moved back afterwards: a recipe loads
+    it on the CPU, and sampling a large model there would take hours where an accelerator has one.
 
     The rows are kept in `cache`, keyed by `source` (the teacher's checkpoint), the seed and the
     prompts, and written to a temporary name and renamed: a resumed run, or another process of the
@@ -174,17 +178,21 @@ def teacher_samples(
         pad_token_id=teacher.generation_config.eos_token_id,
     )
 
-    device = next(teacher.parameters()).device
+    home = next(teacher.parameters()).device
+    device = torch.device(device) if device is not None else home
     rows = []
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        for start in tqdm(
-            range(0, count, _SAMPLE_BATCH), desc="Sampling from the teacher", disable=not progress
-        ):
-            batch = prompts[start : start + _SAMPLE_BATCH].to(device)
-            rows.append(
-                teacher.generate(batch, attention_mask=torch.ones_like(batch), generation_config=config).cpu()
-            )
+    teacher.to(device)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            for start in tqdm(
+                range(0, count, _SAMPLE_BATCH), desc="Sampling from the teacher", disable=not progress
+            ):
+                batch = prompts[start : start + _SAMPLE_BATCH].to(device)
+                mask = torch.ones_like(batch)
+                rows.append(teacher.generate(batch, attention_mask=mask, generation_config=config).cpu())
+    finally:
+        teacher.to(home)
     samples = torch.cat(rows).long()
     if samples.shape != (count, seq_len):
         raise ConfigError(

@@ -465,6 +465,7 @@ def run(
             seed=train.seed,
             source=str(dense_source(path) if dense is not None else path),
             cache=out / SAMPLES_NAME,
+            device=accelerator.device,
             progress=options.progress and main,
         )
     mask_mlps(model, store, flash_config)

@@ -424,6 +424,7 @@ def run(
             seed=train.seed,
             source=str(path),
             cache=out / SAMPLES_NAME,
+            device=accelerator.device,
             progress=options.progress and main,
         )
     say(
