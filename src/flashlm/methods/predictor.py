@@ -206,10 +206,11 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
         The residual stream changes little from one layer to the next, so most of them will be named
         there (DIP's layer-ahead read; DejaVu's observation that activations can be predicted a layer
         early). A guess only reads early: a layer computes what its own predictor names."""
+        if not self.guesses_ahead or x.shape[0] != 1:
+            return None
         following = self.layer + 1
-        # none after the last layer: the next token's first layer sees a new embedding
         select = self.runtime.selections.get(following)
-        if not self.guesses_ahead or x.shape[0] != 1 or select is None:
+        if select is None:  # the last layer: the next token's first layer sees a new embedding
             return None
         buffer = 1 - (0 if taken is None else taken.buffer)
         return lambda: self.runtime.guess(following, kind, union_ids(select(x)), buffer)
