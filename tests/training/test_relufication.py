@@ -11,7 +11,13 @@ from torch import nn
 from flashlm.activations import FATReLU, activations, is_relufied, relufy
 from flashlm.arch import find_mlps, model_type_of, spec_for
 from flashlm.errors import ConfigError
-from flashlm.training.activations import ZeroCounter, calibrate_thresholds, dense_activations, zero_fractions
+from flashlm.training.activations import (
+    ZeroCounter,
+    calibrate_thresholds,
+    dense_activations,
+    threshold_ramp,
+    zero_fractions,
+)
 
 ARCHS = ["llama", "qwen2", "phi3", "gemma", "gemma3", "opt", "falcon"]
 
@@ -132,3 +138,31 @@ def test_calibrated_thresholds_hit_the_target_in_the_first_layer():
     assert per_layer[0] == pytest.approx(0.8, abs=0.01)
     with pytest.raises(ConfigError, match=r"\(0, 1\)"):
         calibrate_thresholds(model, ids, 1.5)
+
+
+def test_threshold_ramp_grows_the_thresholds_from_relu_to_theirs():
+    model = build_tiny_model("llama")
+    relufy(model, [0.2, 0.4])
+    ramp = threshold_ramp(model, [0.2, 0.4], steps=4)
+
+    def thresholds() -> list[float]:
+        return [act.module.threshold for act in activations(model)]
+
+    ramp(0)
+    assert thresholds() == pytest.approx([0.05, 0.1])
+    ramp(2)
+    assert thresholds() == pytest.approx([0.15, 0.3])
+    for step in (3, 9):  # full from step `steps - 1` on
+        ramp(step)
+        assert thresholds() == [0.2, 0.4]
+    ramp(1)  # set from the step alone, so a resumed run continues the schedule
+    assert thresholds() == pytest.approx([0.1, 0.2])
+    ids = _ids(model, 64)
+    sparse = zero_fractions(model, ids, context_length=64, num_tokens=64)[0]
+    ramp(3)
+    assert zero_fractions(model, ids, context_length=64, num_tokens=64)[0] > sparse
+
+    with pytest.raises(ConfigError, match="one FATReLU per threshold"):
+        threshold_ramp(model, [0.2], steps=4)
+    with pytest.raises(ConfigError, match="FATReLU"):
+        threshold_ramp(build_tiny_model("llama"), [0.2, 0.4], steps=4)  # not relufied

@@ -149,13 +149,20 @@ def test_the_recipe_relufies_trains_saves_and_measures(tiny_dir, tmp_path, capsy
     _require_corpus()
     out = tmp_path / "out"
     argv = _common(
-        tiny_dir, out, extra=("--lora-rank", "4", "--target-zeros", "0.8", "--teacher-samples", "5", "--json")
+        tiny_dir,
+        out,
+        extra=(
+            *("--lora-rank", "4", "--target-zeros", "0.8", "--teacher-samples", "5"),
+            *("--threshold-ramp", "3", "--json"),
+        ),
     )
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report == json.loads((out / REPORT_NAME).read_text())
     assert report["steps"] == 6 and report["reload_exact"] is True
     assert report["options"]["teacher_samples"] == 5
+    # reload_exact: the ramp ended at the thresholds the checkpoint records
+    assert report["options"]["threshold_ramp"] == 3
     assert torch.load(out / SAMPLES_NAME, weights_only=True)["rows"].shape == (5, 32)
     assert report["options"]["mode"] == "lora" and len(report["thresholds"]) == 2
     stages = report["measurements"]
@@ -197,6 +204,13 @@ def test_flashlm_train_relufy_on_the_command_line(tiny_dir, tmp_path, capsys):
         == 2
     )
     assert "teacher='copy'" in capsys.readouterr().err
+    for bad, says in (
+        (("--threshold-ramp", "7"), "longer than training"),
+        (("--activation", "relu", "--threshold-ramp", "2"), "no threshold to ramp"),
+    ):
+        assert flashlm_main(["train", "relufy", *_common(tiny_dir, tmp_path / "y"), *bad]) == 2
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "y").exists()  # refused before anything was written
 
 
 # ---- processes ---------------------------------------------------------------------------------------
@@ -231,7 +245,8 @@ def run_recipe(module: str, args: list[str], *, kill_at: int | None = None) -> s
 def test_a_run_killed_with_sigkill_resumes_to_the_uninterrupted_losses(tiny_dir, tmp_path):
     _require_corpus()
     # full fine-tune and the CE term: a loss that moves a lot, so any divergence would show
-    extra = ("--mode", "full", "--ce-weight", "1", "--no-eval", "--steps", "9")
+    # the thresholds ramp up over 8 steps: the resumed run must continue their schedule, not restart it
+    extra = ("--mode", "full", "--ce-weight", "1", "--no-eval", "--steps", "9", "--threshold-ramp", "8")
     reference = run_recipe(RECIPE, _common(tiny_dir, tmp_path / "a", extra=extra))
     assert reference.returncode == 0, reference.stderr
 

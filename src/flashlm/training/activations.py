@@ -4,6 +4,8 @@
   student computes its dense teacher's logits with the same weights (adapters disabled as well).
 - `calibrate_thresholds(model, ids, target)`: per-layer thresholds at the `target` quantile of the
   gate pre-activations on calibration text, so each layer starts with `target` of its outputs zero.
+- `threshold_ramp(model, thresholds, steps)`: a trainer hook that grows the FATReLU thresholds from
+  0 (ReLU) to `thresholds` over the first `steps` optimizer steps.
 - `ZeroCounter` / `zero_fractions`: forward hooks on the activation modules that count exact zeros
   per layer, on held-out text.
 """
@@ -11,7 +13,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -112,6 +114,31 @@ def calibrate_thresholds(
         k = min(values.numel(), max(1, round(target * values.numel())))
         thresholds.append(max(0.0, torch.kthvalue(values.cpu(), k).values.item()))
     return thresholds
+
+
+def threshold_ramp(model: nn.Module, thresholds: Sequence[float], steps: int) -> Callable[[int], None]:
+    """A `Trainer.train(before_step=...)` hook: at 0-based step `s`, every FATReLU of `model` has
+    `min(1, (s + 1) / steps)` times its final threshold, so training starts near plain ReLU and reaches
+    the full thresholds (and sparsity) at step `steps - 1`.
+
+    Sparsity raised gradually rather than at once is ProSparse's recipe (Song et al. 2024, the FATReLU
+    model LLM in a flash runs). The hook sets the thresholds from the step alone, so a resumed run
+    continues the same schedule. The modules' own thresholds, which `relufy` set and the checkpoint
+    records, are the final ones: the hook leaves them there from step `steps - 1` on.
+    """
+    found = [act.module for act in activations(model)]
+    if len(found) != len(thresholds) or not all(isinstance(m, FATReLU) for m in found):
+        raise ConfigError(
+            f"threshold_ramp needs a relufied model with one FATReLU per threshold: got {len(thresholds)} "
+            f"thresholds for {len(found)} activations ({sorted({type(m).__name__ for m in found})})."
+        )
+
+    def before_step(step: int) -> None:
+        scale = min(1.0, (step + 1) / steps)
+        for module, final in zip(found, thresholds, strict=True):
+            module.threshold = final * scale
+
+    return before_step
 
 
 class ZeroCounter:

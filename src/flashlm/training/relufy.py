@@ -15,6 +15,8 @@ PowerInfer; Mirzadeh et al.), in steps:
    on calibration text (`activations.calibrate_thresholds`). They are kept in `OUT/thresholds.json`,
    so a resumed run uses exactly the same ones.
 3. Replace every MLP activation by FATReLU (`activations.relufy`), found through `flashlm.arch`.
+   With `threshold_ramp`, training starts at ReLU and the thresholds grow linearly to theirs over
+   that many steps (`activations.threshold_ramp`, ProSparse's progressive sparsity).
 4. Fine-tune with distillation to the dense model's logits (`trainer.Trainer`): LoRA (rank 32 on
    every decoder linear, as the DIP paper's recovery adapters) or every weight (`mode="full"`).
    The teacher, for LoRA, is the student itself with its adapters disabled and its activations
@@ -58,7 +60,7 @@ from torch import nn
 
 from ..activations import FATRELU, RELU, relufy
 from ..errors import ConfigError, FlashLMError
-from .activations import ZeroCounter, calibrate_thresholds, dense_activations
+from .activations import ZeroCounter, calibrate_thresholds, dense_activations, threshold_ramp
 from .checkpoints import (
     load_relufied,
 )
@@ -107,6 +109,7 @@ class RelufyOptions:
     threshold: float | None = None
     target_zeros: float | None = 0.82
     threshold_tokens: int = 4096
+    threshold_ramp: int = 0
     mode: Literal["lora", "full"] = "lora"
     lora_rank: int = 32
     lora_alpha: float = 32.0
@@ -136,6 +139,12 @@ class RelufyOptions:
             raise ConfigError("FATReLU needs a threshold or a target zero fraction (target_zeros).")
         if self.target_zeros is not None and not 0 < self.target_zeros < 1:
             raise ConfigError(f"target_zeros must be in (0, 1), got {self.target_zeros}.")
+        if self.threshold_ramp < 0:
+            raise ConfigError(f"threshold_ramp must be >= 0 steps, got {self.threshold_ramp}.")
+        if self.threshold_ramp and self.activation == RELU:
+            raise ConfigError(
+                "A ReLU has no threshold to ramp: use activation='fatrelu' with threshold_ramp."
+            )
         if self.mode not in ("lora", "full"):
             raise ConfigError(f"mode must be 'lora' or 'full', got {self.mode!r}.")
         if self.mode == "full" and self.teacher == "shared":
@@ -395,6 +404,11 @@ def run(
     out = Path(options.output_dir)
     if train is None:
         train = TrainConfig(output_dir=out, steps=500, lr=default_lr(options.mode), warmup_steps=20)
+    if options.threshold_ramp > train.steps:
+        raise ConfigError(
+            f"threshold_ramp ({options.threshold_ramp} steps) is longer than training ({train.steps} steps): "
+            "the model would be saved with thresholds it never trained at. Ramp over fewer steps."
+        )
     train = TrainConfig(**{**asdict(train), "output_dir": out / TRAIN_DIR})
     accelerator = make_accelerator(options.mixed_precision)
     main = accelerator.is_main_process
@@ -496,7 +510,8 @@ def run(
         accelerator=accelerator,
         fingerprint_extra=extra,
     )
-    result = trainer.train(on_step=on_step)
+    ramp = threshold_ramp(student, thresholds, options.threshold_ramp) if options.threshold_ramp else None
+    result = trainer.train(on_step=on_step, before_step=ramp)
     accelerator.wait_for_everyone()
 
     trained = trainer.unwrapped()
@@ -588,6 +603,14 @@ def build_parser(prog: str = "python -m flashlm.training.relufy") -> argparse.Ar
         "activations on calibration text (default: 0.82)",
     )
     p.add_argument(
+        "--threshold-ramp",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="start training at ReLU and grow the FATReLU thresholds linearly to theirs over this many "
+        "steps (default: 0, the full thresholds from the first step)",
+    )
+    p.add_argument(
         "--mode", choices=("lora", "full"), default="lora", help="fine-tune LoRA adapters or every weight"
     )
     p.add_argument("--lora-rank", type=int, default=32)
@@ -621,6 +644,7 @@ def options_from_args(args: argparse.Namespace) -> tuple[RelufyOptions, TrainCon
         activation=args.activation,
         threshold=args.threshold,
         target_zeros=None if args.threshold is not None or args.activation == RELU else args.target_zeros,
+        threshold_ramp=args.threshold_ramp,
         mode=args.mode,
         lora_rank=args.lora_rank,
         lora_alpha=args.lora_alpha,

@@ -605,11 +605,18 @@ class Trainer:
 
     # ---- the loop --------------------------------------------------------------------------------
 
-    def train(self, *, on_step: Callable[[int, dict[str, Any]], None] | None = None) -> TrainResult:
+    def train(
+        self,
+        *,
+        on_step: Callable[[int, dict[str, Any]], None] | None = None,
+        before_step: Callable[[int], None] | None = None,
+    ) -> TrainResult:
         """Train to `config.steps`, resuming from the newest checkpoint in `output_dir` if there is one.
 
-        `on_step(step, record)` runs after every optimizer step's log record is written (1-based step),
-        on every process.
+        `before_step(step)` runs before every optimizer step (0-based step, so after a resume it starts
+        at the first step run), on every process: state that depends on the step, such as a schedule
+        the model follows, is set there. `on_step(step, record)` runs after every optimizer step's log
+        record is written (1-based step), on every process.
         """
         from tqdm.auto import tqdm
 
@@ -669,6 +676,8 @@ class Trainer:
         try:
             for step in range(start, cfg.steps):
                 step_started = time.perf_counter()
+                if before_step is not None:
+                    before_step(step)
                 sums = torch.zeros(3, dtype=torch.float64)  # loss, kl, ce
                 for micro in range(cfg.grad_accum):
                     input_ids = self._batch(sampler, step, micro)
