@@ -16,6 +16,10 @@ from flashlm.patching import streaming_mlps
 from flashlm.predictors import Predictors, TrainOptions
 from flashlm.workflows.predictors import train_store_predictors
 
+SHAKESPEARE = ("shakespeare",)
+"""The corpus of the tests that are not about corpora: the Debian ones (the default's others) may be
+missing where the tests run."""
+
 
 @pytest.fixture
 def tiny_opt(make_tiny_checkpoint, tmp_path):
@@ -30,7 +34,13 @@ def test_trained_predictors_are_saved_beside_the_store_and_drive_the_method(tiny
     store = tmp_path / "store"
     options = TrainOptions(ranks=(8, 16), epochs=3, target_recall=0.9)
     trained = train_store_predictors(
-        tiny_opt, tokens=1024, sequence_length=64, options=options, store=store, progress=False
+        tiny_opt,
+        corpora=SHAKESPEARE,
+        tokens=1024,
+        sequence_length=64,
+        options=options,
+        store=store,
+        progress=False,
     )
     saved = Predictors.load(store)
     assert saved.ranks == trained.ranks and all(rank in (8, 16) for rank in saved.ranks)
@@ -55,7 +65,9 @@ def test_predictors_are_held_in_the_stores_dtype(make_tiny_checkpoint, tmp_path)
     shutil.copytree(make_tiny_checkpoint("opt", dtype=torch.bfloat16), path)
     save_word_tokenizer(path)
     options = TrainOptions(ranks=(8,), epochs=2, target_recall=0.9)
-    trained = train_store_predictors(path, tokens=512, sequence_length=64, options=options, progress=False)
+    trained = train_store_predictors(
+        path, corpora=SHAKESPEARE, tokens=512, sequence_length=64, options=options, progress=False
+    )
     assert {p.dtype for p in trained.parameters()} == {torch.bfloat16}
     config = flashlm.FlashConfig(method="predictor", density=0.9, memory_budget=10**7)
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
@@ -77,6 +89,7 @@ def test_predictors_sized_for_a_method_record_what_each_rank_costs(tiny_opt, mak
     options = TrainOptions(ranks=(4, 8), epochs=2, target_recall=0.9)
     sized = train_store_predictors(
         tiny_opt,
+        corpora=SHAKESPEARE,
         tokens=512,
         sequence_length=64,
         options=options,
@@ -86,7 +99,13 @@ def test_predictors_sized_for_a_method_record_what_each_rank_costs(tiny_opt, mak
     )
     assert all(set(report.touched_tried) <= {4, 8} and report.touched_tried for report in sized.reports)
     plain = train_store_predictors(
-        tiny_opt, tokens=512, sequence_length=64, options=options, store=tmp_path / "b", progress=False
+        tiny_opt,
+        corpora=SHAKESPEARE,
+        tokens=512,
+        sequence_length=64,
+        options=options,
+        store=tmp_path / "b",
+        progress=False,
     )
     assert all(report.touched_tried == {} for report in plain.reports)
     plain_mlp = flashlm.Store.open(tmp_path / "a")
@@ -103,14 +122,60 @@ def test_predictors_sized_for_a_method_record_what_each_rank_costs(tiny_opt, mak
 
 def test_too_few_tokens_for_one_window_is_refused_before_any_work(tiny_opt):
     with pytest.raises(ConfigError, match="at least one window"):
-        train_store_predictors(tiny_opt, tokens=32, sequence_length=64, progress=False)
+        train_store_predictors(tiny_opt, corpora=SHAKESPEARE, tokens=32, sequence_length=64, progress=False)
+
+
+def test_each_corpus_gives_an_equal_share_of_the_labelled_windows(tiny_opt, monkeypatch):
+    """Several corpora: the windows are the start of each one's calibration split, an equal whole number
+    of windows each, in the order given; a corpus too small for its share, or a share under one window,
+    is refused before any labelling."""
+    from transformers import AutoTokenizer
+
+    from flashlm.data.corpora import CorpusNotFoundError, corpus_tokens, require
+    from flashlm.workflows import predictors as workflow
+
+    try:
+        require("jargon")
+    except CorpusNotFoundError as exc:
+        pytest.skip(str(exc))
+    seen = []
+
+    def collect(model, batches, **kwargs):
+        seen.extend(batches)
+        raise RuntimeError("stop after the windows")  # the rest is the single-corpus path
+
+    monkeypatch.setattr(workflow, "collect_activations", collect)
+    with pytest.raises(RuntimeError, match="stop after the windows"):
+        train_store_predictors(tiny_opt, corpora=("shakespeare", "jargon"), tokens=300, sequence_length=64)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_opt)
+    expected = [
+        corpus_tokens(name, tokenizer, split="calibration")[:128] for name in ("shakespeare", "jargon")
+    ]
+    assert len(seen) == 4 and all(window.shape == (1, 64) for window in seen)  # 150 tokens each: 2 windows
+    assert torch.equal(torch.cat(seen, dim=1)[0], torch.cat(expected))
+
+    with pytest.raises(ConfigError, match="per corpus"):
+        train_store_predictors(tiny_opt, corpora=("shakespeare", "jargon"), tokens=100, sequence_length=64)
+    small = corpus_tokens("jargon", tokenizer, split="calibration").numel()
+    with pytest.raises(ConfigError, match="fewer than its share"):
+        train_store_predictors(tiny_opt, corpora=("jargon",), tokens=small + 64, sequence_length=64)
+    assert len(seen) == 4  # the refused calls labelled nothing
 
 
 def test_the_cli_trains_and_reports_per_layer(tiny_opt, tmp_path, capsys):
     from flashlm.cli.main import main
 
     store = tmp_path / "store"
-    args = ["train", "predictors", "--model", str(tiny_opt), "--store", str(store)]
+    args = [
+        "train",
+        "predictors",
+        "--model",
+        str(tiny_opt),
+        "--store",
+        str(store),
+        "--corpora",
+        "shakespeare",
+    ]
     code = main([*args, "--tokens", "512", "--sequence-length", "64", "--epochs", "2", "--max-rank", "8"])
     assert code == 0
     out = capsys.readouterr().out
@@ -136,7 +201,9 @@ def test_a_relufied_checkpoint_trains_with_its_thresholds_and_streams_after_patc
     path = save_relufied(model, tmp_path / "relufied")
     save_word_tokenizer(path)
     options = TrainOptions(ranks=(8, 16), epochs=3, target_recall=0.9)
-    trained = train_store_predictors(path, tokens=1024, sequence_length=64, options=options, progress=False)
+    trained = train_store_predictors(
+        path, corpora=SHAKESPEARE, tokens=1024, sequence_length=64, options=options, progress=False
+    )
     # exact zeros of a thresholded ReLU are fewer than half the neurons: a plain ReLU's labels would differ
     assert all(0 < report.label_density < 1 for report in trained.reports)
 

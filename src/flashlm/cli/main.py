@@ -587,7 +587,7 @@ def cmd_train_predictors(args: argparse.Namespace) -> int:
     options = TrainOptions(target_recall=args.target_recall, epochs=args.epochs, max_rank=args.max_rank)
     predictors = train_store_predictors(
         args.model,
-        corpus=args.corpus,
+        corpora=args.corpora,
         tokens=args.tokens,
         sequence_length=args.sequence_length,
         options=options,
@@ -601,7 +601,9 @@ def cmd_train_predictors(args: argparse.Namespace) -> int:
 
 
 def _add_train_parser(sub) -> None:
+    from ..data.corpora import DEFAULT_TRAIN_CORPORA
     from ..training.relufy import build_parser as relufy_parser
+    from ..training.trainer import names
 
     train = sub.add_parser(
         "train", help="training recipes (run unchanged under `accelerate launch -m flashlm.cli ...`)"
@@ -623,8 +625,14 @@ def _add_train_parser(sub) -> None:
     )
     predictors.add_argument("--model", default=None, help="checkpoint directory or bundled model name")
     predictors.add_argument("--store", default=None, help="the store to save beside (default: the model's)")
-    predictors.add_argument("--corpus", default="shakespeare", help="labels come from its calibration split")
-    predictors.add_argument("--tokens", type=_int_at_least(2), default=32768, help="tokens to label")
+    predictors.add_argument(
+        "--corpora",
+        type=names,
+        default=DEFAULT_TRAIN_CORPORA,
+        help="labels come from their calibration splits, an equal share of --tokens each "
+        f"(default: {','.join(DEFAULT_TRAIN_CORPORA)})",
+    )
+    predictors.add_argument("--tokens", type=_int_at_least(2), default=32768, help="tokens to label, in all")
     predictors.add_argument("--sequence-length", type=_int_at_least(2), default=256)
     predictors.add_argument(
         "--target-recall", type=float, default=0.95, help="per layer: the rank grows until it is reached"

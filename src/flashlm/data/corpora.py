@@ -31,6 +31,10 @@ from ..errors import CorpusNotFoundError
 
 CORPORA = ("shakespeare", "jargon", "debian-reference")
 """Names `corpus_text` / `corpus_tokens` accept."""
+DEFAULT_TRAIN_CORPORA = CORPORA
+"""The corpora whose calibration splits the training recipes and the predictors learn from: all of
+them, so that what is learnt is not one kind of text's (predictors trained on Shakespeare alone miss
+more of jargon's activations)."""
 SPLITS = ("calibration", "test")
 CALIBRATION_FRACTION = 0.1
 """Share of a corpus's token stream (its start) that forms the calibration split."""

@@ -50,6 +50,7 @@ from .._utils import peak_rss_bytes
 from .._version import __version__
 from ..arch import MLPSpec, find_mlps, model_type_of, spec_for
 from ..config import FlashConfig
+from ..data.corpora import DEFAULT_TRAIN_CORPORA
 from ..errors import ConfigError, FlashLMError, UnsupportedArchitectureError
 from ..methods.selection import CATSSelection, DIPSelection, GLUSelection, PredictorSelection, Selection
 from ..methods.specs import parse_method_spec
@@ -57,7 +58,6 @@ from ..store.fuse import ADAPTER_RECORD
 from ..workflows.fuse import fuse_adapter, fuse_pruned_checkpoint
 from .trainer import (
     DEFAULT_EVAL_CORPORA,
-    DEFAULT_TRAIN_CORPORA,
     TrainConfig,
     TrainingError,
     add_eval_arguments,

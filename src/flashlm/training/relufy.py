@@ -59,6 +59,7 @@ import torch
 from torch import nn
 
 from ..activations import FATRELU, RELU, relufy
+from ..data.corpora import DEFAULT_TRAIN_CORPORA
 from ..errors import ConfigError, FlashLMError
 from .activations import ZeroCounter, calibrate_thresholds, dense_activations, threshold_ramp
 from .checkpoints import (
@@ -66,7 +67,6 @@ from .checkpoints import (
 )
 from .trainer import (
     DEFAULT_EVAL_CORPORA,
-    DEFAULT_TRAIN_CORPORA,
     TrainConfig,
     TrainingError,
     add_eval_arguments,

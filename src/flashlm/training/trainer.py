@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data.corpora import DEFAULT_TRAIN_CORPORA
 from ..errors import ConfigError, FlashLMError
 from .data import SequenceSampler, fingerprint
 
@@ -230,7 +231,6 @@ class TrainConfig:
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-DEFAULT_TRAIN_CORPORA = ("shakespeare", "jargon", "debian-reference")
 DEFAULT_EVAL_CORPORA = ("shakespeare", "jargon")
 
 

@@ -1,18 +1,19 @@
-"""Train a store's activation predictors (`flashlm train predictors`): run the dense model over a
-corpus's calibration split with hooks, label which neurons fire, train one low-rank predictor per
+"""Train a store's activation predictors (`flashlm train predictors`): run the dense model over the
+calibration splits of several corpora with hooks, label which neurons fire, train one low-rank predictor per
 layer (PowerInfer §5.1's rank growth), and save them beside the model's store, where
 `method="predictor"` finds them."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ..config import FlashConfig
-from ..data.corpora import corpus_tokens
+from ..data.corpora import DEFAULT_TRAIN_CORPORA, corpus_tokens
 from ..data.models import model_path
 from ..errors import ConfigError
 from ..methods.base import method_class
@@ -25,7 +26,7 @@ from ..store import Store
 def train_store_predictors(
     model: str | os.PathLike | None = None,
     *,
-    corpus: str = "shakespeare",
+    corpora: str | Sequence[str] = DEFAULT_TRAIN_CORPORA,
     tokens: int = 32768,
     sequence_length: int = 256,
     rule: LabelRule | None = None,
@@ -35,8 +36,10 @@ def train_store_predictors(
     progress: bool = True,
 ) -> Predictors:
     """Train and save the predictors of `model` (a bundled model's name, a checkpoint directory, or the
-    default model) on the first `tokens` tokens of `corpus`'s calibration split, in windows of
-    `sequence_length`; returns them, their per-layer reports in `.reports`.
+    default model) on `tokens` tokens in windows of `sequence_length`, an equal share from the start
+    of each of `corpora`'s calibration splits; returns them, their per-layer reports in `.reports`.
+    (Trained on Shakespeare alone, relufied SmolLM2's predictors caught 0.93 of the activations on
+    Shakespeare but 0.88-0.90 on jargon, where their misses cost the most perplexity.)
 
     `rule` says what "active" means (default: exactly nonzero for ReLU-family models, the top 10% by
     magnitude otherwise); `store` the store to save beside (default: the model's, converted if
@@ -52,19 +55,27 @@ def train_store_predictors(
 
     from ..training.checkpoints import load_checkpoint
 
-    if tokens < sequence_length or sequence_length < 2:
+    corpora = (corpora,) if isinstance(corpora, str) else tuple(corpora)
+    if not corpora:
+        raise ConfigError("Predictors need at least one corpus to learn from.")
+    share = tokens // len(corpora)
+    if share < sequence_length or sequence_length < 2:
         raise ConfigError(
-            f"tokens ({tokens}) must hold at least one window of sequence_length ({sequence_length} >= 2)."
+            f"tokens ({tokens}) must hold at least one window of sequence_length ({sequence_length} >= 2) "
+            f"per corpus ({len(corpora)}): ask for more tokens or a shorter sequence length."
         )
+    share -= share % sequence_length
     path = Path(model_path(model))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    ids = corpus_tokens(corpus, tokenizer, split="calibration")
-    if ids.numel() < tokens:
-        raise ConfigError(
-            f"The calibration split of {corpus!r} has {ids.numel()} tokens for this tokenizer, fewer than "
-            f"the {tokens} asked for: ask for fewer tokens or pick a larger corpus."
-        )
-    windows = ids[: tokens - tokens % sequence_length].view(-1, 1, sequence_length)
+    windows = []
+    for corpus in corpora:
+        ids = corpus_tokens(corpus, tokenizer, split="calibration")
+        if ids.numel() < share:
+            raise ConfigError(
+                f"The calibration split of {corpus!r} has {ids.numel()} tokens for this tokenizer, fewer "
+                f"than its share of {share}: ask for fewer tokens or leave that corpus out."
+            )
+        windows.append(ids[:share].view(-1, 1, sequence_length))
     target = open_checkpoint_store(path, FlashConfig(store=str(store) if store else None))
     options = options or TrainOptions()
     if options.dtype is None:
@@ -72,7 +83,9 @@ def train_store_predictors(
     if options.read_share is None and method is not None:
         options = replace(options, read_share=read_share(method, target))
     dense = load_checkpoint(path, dtype=torch.float32)  # a relufied one with its FATReLU thresholds
-    samples = collect_activations(dense, list(windows), rule=rule, max_rows=tokens, progress=progress)
+    samples = collect_activations(
+        dense, list(torch.cat(windows)), rule=rule, max_rows=tokens, progress=progress
+    )
     del dense
     predictors = train_predictors(samples, options, progress=progress)
     predictors.save(target)
