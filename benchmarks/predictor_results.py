@@ -4,10 +4,10 @@ sliding window, and decode speed against dense streaming and DIP-CA at equal mem
 One command, four parts, written to `<out>/report.md` (and `results.json`):
 
 1. **Predictors**: `flashlm.workflows.predictors.train_store_predictors` on the relufied checkpoint
-   (`flashlm train relufy` wrote it), saved beside its store; per layer the rank PowerInfer's rank
-   growth chose, held-out recall and precision, predicted against true density, size as % of the
-   MLP. The same on the plain SwiGLU checkpoint with "active" = the top `--swiglu-top` of
-   |act(gate)·up| (the DIP paper's claim: SwiGLU magnitudes are hard to predict).
+   (`flashlm train relufy` wrote it), labelled on `--train-corpora`, saved beside its store; per
+   layer the rank PowerInfer's rank growth chose, held-out recall and precision, predicted against
+   true density, size as % of the MLP. The same on the plain SwiGLU checkpoint with "active" = the
+   top `--swiglu-top` of |act(gate)·up| (the DIP paper's claim: SwiGLU magnitudes are hard to predict).
 2. **Perplexity** on each corpus: the relufied model in RAM (equal to the oracle mask: a FATReLU
    neuron outside the true active set contributes exactly zero) and with `method="predictor"`;
    the plain SwiGLU model for reference.
@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flashlm.data.corpora import DEFAULT_TRAIN_CORPORA
 from flashlm.eval.decode import run_in_subprocess
 
 DECODE_ROWS = {
@@ -102,6 +103,11 @@ def main() -> None:
     )
     parser.add_argument("--train-tokens", type=int, default=16384)
     parser.add_argument(
+        "--train-corpora",
+        default=",".join(DEFAULT_TRAIN_CORPORA),
+        help="corpora whose calibration splits the predictors learn from, an equal share of the tokens each",
+    )
+    parser.add_argument(
         "--reuse-predictors",
         action="store_true",
         help="use the predictors already saved beside the relufied store in --out instead of training",
@@ -159,6 +165,7 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     swiglu = Path(model_path(args.swiglu))
+    train_corpora = args.train_corpora.split(",")
     options = TrainOptions(target_recall=args.target_recall, max_rank=args.max_rank)
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     report = [f"# Predictor-based loading: {args.relufied}", ""]
@@ -170,14 +177,18 @@ def main() -> None:
         relu_predictors, relu_s = Predictors.load(store), None  # checked against the store's weights
     else:
         relu_predictors = train_store_predictors(
-            args.relufied, tokens=args.train_tokens, options=options, store=store
+            args.relufied, corpora=train_corpora, tokens=args.train_tokens, options=options, store=store
         )
         relu_s = time.perf_counter() - started
     trained = [("relufied (active = exactly nonzero)", relu_predictors, relu_s)]
     if args.swiglu_predictors:
         started = time.perf_counter()
         swiglu_predictors = train_store_predictors(
-            swiglu, tokens=args.train_tokens, rule=LabelRule.top(args.swiglu_top), options=options
+            swiglu,
+            corpora=train_corpora,
+            tokens=args.train_tokens,
+            rule=LabelRule.top(args.swiglu_top),
+            options=options,
         )
         trained.append(
             (
@@ -192,8 +203,8 @@ def main() -> None:
             + (
                 "saved beside the store, reused (--reuse-predictors)"
                 if seconds is None
-                else f"{args.train_tokens} calibration tokens, target recall {args.target_recall}, "
-                f"trained in {seconds:.0f} s"
+                else f"{args.train_tokens} calibration tokens of {', '.join(train_corpora)}, "
+                f"target recall {args.target_recall}, trained in {seconds:.0f} s"
             ),
             "",
             *predictor_table(predictors.reports),
