@@ -87,26 +87,10 @@ def test_predictors_sized_for_a_method_record_what_each_rank_costs(tiny_opt, mak
     from flashlm.workflows.predictors import read_share
 
     options = TrainOptions(ranks=(4, 8), epochs=2, target_recall=0.9)
-    sized = train_store_predictors(
-        tiny_opt,
-        corpora=SHAKESPEARE,
-        tokens=512,
-        sequence_length=64,
-        options=options,
-        store=tmp_path / "a",
-        method="predictor",
-        progress=False,
-    )
+    common = dict(corpora=SHAKESPEARE, tokens=512, sequence_length=64, options=options, progress=False)
+    sized = train_store_predictors(tiny_opt, store=tmp_path / "a", method="predictor", **common)
     assert all(set(report.touched_tried) <= {4, 8} and report.touched_tried for report in sized.reports)
-    plain = train_store_predictors(
-        tiny_opt,
-        corpora=SHAKESPEARE,
-        tokens=512,
-        sequence_length=64,
-        options=options,
-        store=tmp_path / "b",
-        progress=False,
-    )
+    plain = train_store_predictors(tiny_opt, store=tmp_path / "b", **common)
     assert all(report.touched_tried == {} for report in plain.reports)
     plain_mlp = flashlm.Store.open(tmp_path / "a")
     gated = flashlm.convert(
