@@ -84,6 +84,10 @@ def predictor_table(reports) -> list[str]:
     return lines
 
 
+def mean(items, attribute: str) -> float:
+    return sum(getattr(item, attribute) for item in items) / len(items)
+
+
 def hot_set_cell(hot: dict[str, float] | None) -> str:
     if not hot:
         return "—"
@@ -157,7 +161,14 @@ def main() -> None:
     from flashlm.data.models import model_path
     from flashlm.eval.perplexity import perplexity
     from flashlm.eval.sweep import sweep
-    from flashlm.predictors import PREDICTORS_FILE, LabelRule, Predictors, TrainOptions
+    from flashlm.predictors import (
+        PREDICTORS_FILE,
+        LabelRule,
+        Predictors,
+        TrainOptions,
+        collect_activations,
+        evaluate_predictors,
+    )
     from flashlm.training.checkpoints import load_checkpoint
     from flashlm.workflows.calibrate import load_or_calibrate
     from flashlm.workflows.predictors import train_store_predictors
@@ -212,8 +223,33 @@ def main() -> None:
         ]
     results["predictors"] = {name: [vars(r) for r in predictors.reports] for name, predictors, _ in trained}
 
-    # 2. perplexity
+    # 1 (continued). the relufied predictors on each test split: text the held-out rows did not cover
     tokenizer = AutoTokenizer.from_pretrained(args.relufied)
+    corpora = args.corpora.split(",")
+    relufied = load_checkpoint(args.relufied, dtype=torch.float32)
+    quality, tokens = {}, args.ppl_tokens - args.ppl_tokens % PPL_CONTEXT
+    for corpus in corpora:
+        ids = corpus_tokens(corpus, tokenizer)[:tokens]
+        samples = collect_activations(
+            relufied, list(ids.view(-1, 1, PPL_CONTEXT)), max_rows=ids.numel(), progress=False
+        )
+        quality[corpus] = evaluate_predictors(relu_predictors, samples)
+    del relufied
+    results["predictor_quality"] = {c: [vars(q) for q in layers] for c, layers in quality.items()}
+    report += [
+        f"## Relufied predictors on the first {tokens} tokens of each test split (mean over layers)",
+        "",
+        "| corpus | recall | min recall | precision | predicted density | true density |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {c} | {mean(q, 'recall'):.3f} | {min(x.recall for x in q):.3f} | {mean(q, 'precision'):.3f} "
+            f"| {mean(q, 'density'):.3f} | {mean(q, 'label_density'):.3f} |"
+            for c, q in quality.items()
+        ),
+        "",
+    ]
+
+    # 2. perplexity
     rows = {
         "SwiGLU dense (in RAM)": lambda: load_checkpoint(swiglu, dtype=torch.bfloat16),
         "relufied dense (in RAM) = oracle mask": lambda: load_checkpoint(args.relufied, dtype=torch.bfloat16),
@@ -222,7 +258,6 @@ def main() -> None:
             {"method": "predictor", "density": 0.5, "memory_budget": args.memory_budget, "store": str(store)},
         ),
     }
-    corpora = args.corpora.split(",")
     ppl: dict[str, dict[str, float]] = {}
     for name, load in rows.items():
         model = load()

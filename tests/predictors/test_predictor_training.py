@@ -8,7 +8,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from flashlm.predictors import LowRankPredictor, TrainOptions, train_layer, train_predictors
+from flashlm.predictors import (
+    LowRankPredictor,
+    TrainOptions,
+    evaluate_predictors,
+    train_layer,
+    train_predictors,
+)
 from flashlm.predictors.labels import LabelRule, LayerSamples
 
 D_MODEL, D_FF, PLANTED_RANK = 32, 64, 4
@@ -22,6 +28,18 @@ def planted(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     bias = torch.randn(D_FF, generator=g) * 2 - 5  # most neurons off most of the time
     x = torch.randn(rows, D_MODEL, generator=torch.Generator().manual_seed(seed))
     return x, (x @ b.T @ a.T + bias) > 0
+
+
+def _samples(layer: int, x: torch.Tensor, labels: torch.Tensor) -> LayerSamples:
+    return LayerSamples(
+        layer=layer,
+        inputs=x,
+        labels=labels,
+        rows_seen=len(x),
+        active_counts=labels.sum(0),
+        mlp_params=3 * D_MODEL * D_FF,
+        rule=LabelRule.above(0.0),
+    )
 
 
 FAST = TrainOptions(ranks=(1, 8), target_recall=0.9, epochs=6, lr=2e-2, batch_size=128)
@@ -168,24 +186,25 @@ def test_bad_options_are_refused(options: dict) -> None:
 
 def test_train_predictors_covers_every_layer_in_order() -> None:
     x, labels = planted(200, seed=0)
-    rule = LabelRule.above(0.0)
-
-    def samples(layer: int) -> LayerSamples:
-        return LayerSamples(
-            layer=layer,
-            inputs=x,
-            labels=labels,
-            rows_seen=len(x),
-            active_counts=labels.sum(0),
-            mlp_params=3 * D_MODEL * D_FF,
-            rule=rule,
-        )
-
     options = TrainOptions(ranks=(2,), epochs=1)
-    predictors = train_predictors([samples(0), samples(1)], options, progress=False)
+    predictors = train_predictors([_samples(0, x, labels), _samples(1, x, labels)], options, progress=False)
     assert len(predictors) == 2 and predictors.ranks == [2, 2]
-    assert predictors.label_rule == rule
+    assert predictors.label_rule == LabelRule.above(0.0)
     assert [r.layer for r in predictors.reports] == [0, 1]
     assert all(math.isfinite(t) for t in predictors.thresholds)
     with pytest.raises(ValueError, match=r"layers 0\.\.n-1"):
-        train_predictors([samples(1)], options, progress=False)
+        train_predictors([_samples(1, x, labels)], options, progress=False)
+
+
+def test_evaluate_predictors_measures_them_at_their_threshold_on_other_rows() -> None:
+    x, labels = planted(1500, seed=0)
+    predictors = train_predictors([_samples(0, x, labels)], FAST, progress=False)
+    fresh_x, fresh = planted(2000, seed=5)
+    (quality,) = evaluate_predictors(predictors, [_samples(0, fresh_x, fresh)])
+    predicted = predictors[0].predict(fresh_x)
+    assert quality.layer == 0
+    assert quality.recall == (predicted & fresh).sum().item() / fresh.sum().item()
+    assert quality.precision == (predicted & fresh).sum().item() / predicted.sum().item()
+    assert quality.density == pytest.approx(predicted.float().mean().item())
+    assert quality.label_density == pytest.approx(fresh.float().mean().item())
+    assert 0.85 <= quality.recall < 1 and quality.precision >= 0.95  # as trained; not a perfect oracle

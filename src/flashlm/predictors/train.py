@@ -130,6 +130,43 @@ def _fit(
     return predictor.eval()
 
 
+@dataclass(frozen=True)
+class PredictorQuality:
+    """How one layer's predictor does at its threshold on some rows: `recall` / `precision` over every
+    (token, neuron) pair, `density` the share of neurons predicted active (what gets loaded),
+    `label_density` the share truly active."""
+
+    layer: int
+    recall: float
+    precision: float
+    density: float
+    label_density: float
+
+
+def _quality(layer: int, logits: torch.Tensor, labels: torch.Tensor, cut: float) -> PredictorQuality:
+    predicted = logits >= cut
+    predicted_count = int(predicted.sum())
+    return PredictorQuality(
+        layer=layer,
+        recall=_recall(logits, labels, cut),
+        precision=int((predicted & labels).sum()) / predicted_count if predicted_count else 1.0,
+        density=predicted_count / predicted.numel(),
+        label_density=int(labels.sum()) / labels.numel(),
+    )
+
+
+def evaluate_predictors(predictors: Predictors, samples: Sequence[LayerSamples]) -> list[PredictorQuality]:
+    """Each layer's predictor at its threshold on `samples` (`collect_activations` on other text than
+    it was trained on, say a corpus's test split): training reports recall on held-out rows of the
+    training corpora, which overstates it on text of another kind."""
+    qualities = []
+    for s in samples:
+        predictor = predictors[s.layer]
+        logits = _logits(predictor, s.inputs)
+        qualities.append(_quality(s.layer, logits, s.labels.bool(), predictor.threshold_logit))
+    return qualities
+
+
 def _threshold_for_recall(logits: torch.Tensor, labels: torch.Tensor, target: float) -> float:
     """The highest logit cut at which a share >= `target` of the positives is predicted active."""
     positive_logits = logits[labels]
@@ -198,17 +235,15 @@ def train_layer(
 
     cut = _threshold_for_recall(held_logits, held_y, options.target_recall)
     predictor.threshold_logit = cut
-    predicted = held_logits >= cut
-    predicted_count = int(predicted.sum())
-    true_positives = int((predicted & held_y).sum())
+    quality = _quality(layer, held_logits, held_y, cut)
     report = LayerReport(
         layer=layer,
         rank=predictor.rank,
         threshold=predictor.threshold,
-        recall=_recall(held_logits, held_y, cut),
-        precision=true_positives / predicted_count if predicted_count else 1.0,
-        density=predicted_count / predicted.numel(),
-        label_density=int(held_y.sum()) / held_y.numel(),
+        recall=quality.recall,
+        precision=quality.precision,
+        density=quality.density,
+        label_density=quality.label_density,
         size_percent=None if not mlp_params else 100 * predictor.num_parameters() / mlp_params,
         ranks_tried=tried,
         touched_tried={r: 100 * t / mlp_params for r, t in touched.items()} if mlp_params else {},
