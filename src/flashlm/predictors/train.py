@@ -96,13 +96,6 @@ def _logits(predictor: LowRankPredictor, inputs: torch.Tensor) -> torch.Tensor:
         )
 
 
-def _recall(logits: torch.Tensor, labels: torch.Tensor, cut: float) -> float:
-    positives = int(labels.sum())
-    if positives == 0:
-        return 1.0
-    return int((labels & (logits >= cut)).sum()) / positives
-
-
 def _fit(
     rank: int,
     inputs: torch.Tensor,
@@ -144,14 +137,15 @@ class PredictorQuality:
 
 
 def _quality(layer: int, logits: torch.Tensor, labels: torch.Tensor, cut: float) -> PredictorQuality:
+    """Quality at logit `cut`; recall 1 where nothing is active, precision 1 where nothing is named."""
     predicted = logits >= cut
-    predicted_count = int(predicted.sum())
+    named, active, caught = int(predicted.sum()), int(labels.sum()), int((predicted & labels).sum())
     return PredictorQuality(
         layer=layer,
-        recall=_recall(logits, labels, cut),
-        precision=int((predicted & labels).sum()) / predicted_count if predicted_count else 1.0,
-        density=predicted_count / predicted.numel(),
-        label_density=int(labels.sum()) / labels.numel(),
+        recall=caught / active if active else 1.0,
+        precision=caught / named if named else 1.0,
+        density=named / predicted.numel(),
+        label_density=active / labels.numel(),
     )
 
 
@@ -217,7 +211,7 @@ def train_layer(
     for rank in options.ranks_for(d_model, d_ff):
         predictor = _fit(rank, train_x, train_y, pos_weight, options)
         held_logits = _logits(predictor, held_x)
-        tried[rank] = _recall(held_logits, held_y, 0.0)
+        tried[rank] = _quality(layer, held_logits, held_y, 0.0).recall
         if options.read_share is not None and mlp_params:
             cut = _threshold_for_recall(held_logits, held_y, options.target_recall)
             loaded = float((held_logits >= cut).float().mean())
