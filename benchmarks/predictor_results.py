@@ -69,6 +69,10 @@ def load_patched(path: Path, options: dict[str, Any]):
     return flashlm.patch(model, flashlm.FlashConfig(**options), progress=False)
 
 
+def mean(items, attribute: str) -> float:
+    return sum(getattr(item, attribute) for item in items) / len(items)
+
+
 def predictor_table(reports) -> list[str]:
     lines = [
         "| layer | rank | recall | precision | predicted density | true density | % of MLP |",
@@ -79,13 +83,8 @@ def predictor_table(reports) -> list[str]:
             f"| {r.layer} | {r.rank} | {r.recall:.3f} | {r.precision:.3f} | {r.density:.3f} "
             f"| {r.label_density:.3f} | {r.size_percent:.1f}% |"
         )
-    mean = {k: sum(getattr(r, k) for r in reports) / len(reports) for k in ("recall", "precision")}
-    lines.append(f"| mean | | {mean['recall']:.3f} | {mean['precision']:.3f} | | | |")
+    lines.append(f"| mean | | {mean(reports, 'recall'):.3f} | {mean(reports, 'precision'):.3f} | | | |")
     return lines
-
-
-def mean(items, attribute: str) -> float:
-    return sum(getattr(item, attribute) for item in items) / len(items)
 
 
 def hot_set_cell(hot: dict[str, float] | None) -> str:
