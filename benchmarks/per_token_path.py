@@ -20,10 +20,19 @@ only), and the torch operators run inside the MLP modules per layer per token (t
 decode steps, attributed to the MLP by a `record_function` range around each MLP module's forward)
 with the bytes they allocated.
 
+With `--device cuda` the model runs on the GPU (`device_map="cuda"`, flashlm's caches there too) and
+the CPU capabilities do not apply; step and MLP times wait for the GPU (`torch.cuda.synchronize`),
+so the MLP hooks' time includes that wait. flashlm's own split of a step is host time and does not
+wait for the GPU: on CUDA read it as launch cost, not as GPU time. `--random-weights` runs each
+model's shapes with seeded random weights (built once under `--out`), for a machine that the real
+weights cannot reach: its tokens mean nothing, and DIP's masks on random weights change from token
+to token more than on the real model's (lower hit rates).
+
 The child reads only flashlm's public surface (`FlashConfig`, `flashlm.stats`), so the same script
 measures an older flashlm too (`PYTHONPATH=old/src`, a `--flashlm-cache` of its own, `--label before`).
 
     python benchmarks/per_token_path.py --models smollm2-135m,qwen2.5-1.5b --out bench-results/per-token
+    python benchmarks/per_token_path.py --device cuda --random-weights --models DIR,DIR --out OUT
 """
 
 from __future__ import annotations
@@ -76,10 +85,18 @@ def mlp_modules(model) -> list:
     return [module for _, module in found]
 
 
+def wait_for(device: str) -> None:
+    """Let the device finish its queued work, so that a clock read after it counts that work."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 class MLPTimer:
     """Forward hooks: seconds spent inside MLP modules, and a profiler range around each call."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, device: str) -> None:
         import torch
 
         self.seconds = 0.0
@@ -89,13 +106,16 @@ class MLPTimer:
             module.register_forward_pre_hook(self._enter)
             module.register_forward_hook(self._exit)
         self._torch = torch
+        self._device = device
 
     def _enter(self, module, args) -> None:
         span = self._torch.profiler.record_function(MLP_RANGE)
         span.__enter__()
+        wait_for(self._device)
         self._ranges.append((span, time.perf_counter()))
 
     def _exit(self, module, args, output) -> None:
+        wait_for(self._device)
         span, started = self._ranges.pop()
         self.seconds += time.perf_counter() - started
         span.__exit__(None, None, None)
@@ -121,27 +141,39 @@ def mlp_operator_counts(prof) -> tuple[dict[str, int], int]:
     return counts, allocated
 
 
-def run_child(spec: dict[str, Any], model_dir: str, new_tokens: int, profile_tokens: int) -> dict[str, Any]:
+def run_child(
+    spec: dict[str, Any],
+    model_dir: str,
+    device: str,
+    warmup_tokens: int,
+    new_tokens: int,
+    profile_tokens: int,
+) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import flashlm
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    placement = {"device_map": device} if device != "cpu" else {}
     if "options" in spec:
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, quantization_config=flashlm.FlashConfig(**spec["options"])
+            model_dir, quantization_config=flashlm.FlashConfig(**spec["options"]), **placement
         )
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir)
-    timer = MLPTimer(model)
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **placement)
+    timer = MLPTimer(model, device)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids.to(device)
     flashlm_model = "options" in spec
     tokens, steps = [], []
     with torch.inference_mode():
         started = time.perf_counter()
         out = model(input_ids=ids, use_cache=True)
+        wait_for(device)
         prefill_s = time.perf_counter() - started
+        for _ in range(warmup_tokens):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
         if flashlm_model:
             flashlm.stats(model, reset=True)
         timer.seconds = 0.0
@@ -150,6 +182,7 @@ def run_child(spec: dict[str, Any], model_dir: str, new_tokens: int, profile_tok
             tokens.append(int(token))
             started = time.perf_counter()
             out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+            wait_for(device)
             steps.append(time.perf_counter() - started)
         mlp_s = timer.seconds
         snapshot = flashlm.stats(model) if flashlm_model else None
@@ -167,6 +200,7 @@ def run_child(spec: dict[str, Any], model_dir: str, new_tokens: int, profile_tok
         "prompt_tokens": int(ids.shape[1]),
         "prefill_s": prefill_s,
         "decode_tok_s": len(steps) / sum(steps),
+        "step_ms": [1e3 * step for step in steps],
         "mlp_ms_per_token": 1e3 * mlp_s / len(steps),
         "tokens": tokens,
         "ops_per_layer_token": sum(ops.values()) / (layers * profile_tokens),
@@ -192,7 +226,7 @@ def run_child(spec: dict[str, Any], model_dir: str, new_tokens: int, profile_tok
 
 
 def run(spec, model_dir: Path, capability: str, args) -> dict[str, Any]:
-    env = {**os.environ, **CAPABILITIES[capability], "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, **CAPABILITIES.get(capability, {}), "HF_HUB_OFFLINE": "1"}
     if args.flashlm_cache:
         env["FLASHLM_CACHE"] = str(args.flashlm_cache)
     command = [
@@ -202,6 +236,10 @@ def run(spec, model_dir: Path, capability: str, args) -> dict[str, Any]:
         json.dumps(spec),
         "--model-dir",
         str(model_dir),
+        "--device",
+        args.device,
+        "--warmup-tokens",
+        str(args.warmup_tokens),
         "--new-tokens",
         str(args.new_tokens),
         "--profile-tokens",
@@ -258,14 +296,40 @@ def bundled_model(name: str) -> Path:
     return model_path(name)
 
 
+def random_checkpoint(source: Path, out: Path, device: str) -> Path:
+    """`source`'s config and tokenizer with seeded random weights, saved once under `out`: the
+    model's shapes and costs where its weights cannot travel (`source` needs no weights)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if (out / "config.json").is_file():
+        return out
+    config = AutoConfig.from_pretrained(source)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=config.dtype or torch.bfloat16)
+    partial = out.with_name(out.name + ".partial")
+    model.save_pretrained(partial)
+    AutoTokenizer.from_pretrained(source).save_pretrained(partial)
+    partial.rename(out)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--models", default="smollm2-135m,qwen2.5-1.5b", help="bundled names or directories")
-    parser.add_argument("--capabilities", default="default,avx2")
+    parser.add_argument("--capabilities", default="default,avx2", help="CPU kernels (with --device cpu)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs")
+    parser.add_argument(
+        "--random-weights", action="store_true", help="each model's shapes with seeded random weights"
+    )
     parser.add_argument("--configs", default=None, help="comma-separated subset of the configuration names")
     parser.add_argument("--density", type=float, default=0.6, help="MLP density of the DIP / DIP-CA rows")
+    parser.add_argument(
+        "--warmup-tokens", type=int, default=0, help="untimed decode steps first (CUDA loads kernels lazily)"
+    )
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--profile-tokens", type=int, default=2)
     parser.add_argument("--label", default="after", help="names the output files (e.g. before / after)")
@@ -275,7 +339,14 @@ def main() -> None:
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        result = run_child(json.loads(args.child), args.model_dir, args.new_tokens, args.profile_tokens)
+        result = run_child(
+            json.loads(args.child),
+            args.model_dir,
+            args.device,
+            args.warmup_tokens,
+            args.new_tokens,
+            args.profile_tokens,
+        )
         print("RESULT " + json.dumps(result), flush=True)
         return
 
@@ -283,19 +354,24 @@ def main() -> None:
     report: dict[str, Any] = {"label": args.label, "runs": []}
     wanted = set(args.configs.split(",")) if args.configs else None
     sections = []
+    capabilities = args.capabilities.split(",") if args.device == "cpu" else [args.device]
     for name in args.models.split(","):
         model_dir = Path(name) if Path(name).is_dir() else bundled_model(name)
-        for capability in args.capabilities.split(","):
-            results = []
+        if args.random_weights:
+            model_dir = random_checkpoint(model_dir, args.out / f"random-{model_dir.name}", args.device)
+        for capability in capabilities:
+            results: list[dict[str, Any]] = []
+            report["runs"].append({"model": name, "capability": capability, "results": results})
+            sections.append("")
             for spec in configurations(args.density):
                 if wanted and spec["name"] not in wanted:
                     continue
                 print(f"{name} [{capability}] {spec['name']} ...", file=sys.stderr, flush=True)
                 results.append(run(spec, model_dir, capability, args))
-            report["runs"].append({"model": name, "capability": capability, "results": results})
-            sections.append(f"## {name}, capability {capability}\n\n{table(results)}\n")
-            (args.out / f"{args.label}.json").write_text(json.dumps(report, indent=1))
-            (args.out / f"{args.label}.md").write_text("\n".join(sections))
+                # written after each configuration, so that an interrupted run keeps what it measured
+                sections[-1] = f"## {name}, capability {capability}\n\n{table(results)}\n"
+                (args.out / f"{args.label}.json").write_text(json.dumps(report, indent=1))
+                (args.out / f"{args.label}.md").write_text("\n".join(sections))
             print(sections[-1], flush=True)
 
 
