@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import build_tiny_model, tiny_config
 from test_endor_offload import prune_half_per_row
 from test_predictor import exact_predictors, relu_checkpoint
 from transformers import AutoModelForCausalLM
@@ -25,8 +25,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 GREEDY = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
 
 
-def budget_caching(store_path, cached: float) -> int:
-    """A budget whose dense caches hold about `cached` of every unit (all of them at 1.0)."""
+def budget_caching(store_path, cached: float, *, headroom: int = 2) -> int:
+    """A budget whose dense caches hold about `cached` of every unit (all of them at 1.0), beyond
+    `headroom` times the smallest budget that works (its staging buffers grow with the model)."""
     store = flashlm.Store.open(store_path)
     with pytest.raises(BudgetTooSmallError) as info:
         FlashRuntime(store, flashlm.FlashConfig(memory_budget=1))
@@ -34,7 +35,7 @@ def budget_caching(store_path, cached: float) -> int:
         store.row_file(0, kind).rows * (store.row_file(0, kind).row_bytes + 8)
         for kind in dense_kinds(store.gated)
     )
-    return 2 * info.value.minimum_bytes + int(cached * units * store.num_layers)
+    return headroom * info.value.minimum_bytes + int(cached * units * store.num_layers)
 
 
 def load_on(device: str, path, store, cached: float, *, move: bool = False, **options) -> torch.nn.Module:
@@ -78,6 +79,34 @@ def test_density_one_is_the_dense_model_on_the_device(options, cached, move, dev
         torch.testing.assert_close(logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(model.generate(ids, **GREEDY), reference.generate(ids, **GREEDY))
     assert flashlm.stats(model).totals()["bytes_read"] > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.exactness
+def test_dense_streaming_decodes_bit_for_bit_as_the_dense_model_on_the_device(device, tmp_path):
+    """bf16, half of each matrix cached and half read every step, at a width where a GPU's kernels
+    may split a product's reduction differently for a part of the matrix than for the whole."""
+    wide = tiny_config("llama")
+    wide.hidden_size, wide.intermediate_size, wide.num_attention_heads = 512, 2048, 8
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(wide).to(torch.bfloat16).save_pretrained(tmp_path / "wide")
+    store = flashlm.convert(tmp_path / "wide", tmp_path / "store", progress=False).path
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "wide", device_map=device).eval()
+    config = flashlm.FlashConfig(store=str(store), memory_budget=budget_caching(store, 0.5, headroom=1))
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "wide", quantization_config=config, device_map=device
+    )
+    ids = prompt(device)[:1]  # one sequence: its decode steps take the one-token path
+    with torch.no_grad():
+        out, expected = model(ids, use_cache=True), reference(ids, use_cache=True)
+        assert torch.equal(out.logits, expected.logits)
+        for _ in range(4):
+            ids = expected.logits[:, -1:].argmax(-1)
+            out = model(ids, past_key_values=out.past_key_values, use_cache=True)
+            expected = reference(ids, past_key_values=expected.past_key_values, use_cache=True)
+            assert torch.equal(out.logits, expected.logits)
+    totals = flashlm.stats(model).totals()
+    assert totals["hits"] > 0 and totals["misses"] > 0  # cached and read rows both took part
 
 
 @pytest.mark.gpu

@@ -12,7 +12,8 @@ first step fills it with units `0 .. capacity-1` in order, and from then on the 
 of the matrix, read (usually a layer ahead) in place into the staging matrix, at their own rows. A
 decode step multiplies the cached rows and the staged rows separately; a multi-token step (prefill),
 where the kernel's blocking may depend on the matrix shape, first copies the cached rows into the
-staging matrix's head and multiplies the whole matrix at once, exactly as the dense model does.
+staging matrix's head and multiplies the whole matrix at once, exactly as the dense model does; so
+does every step on a GPU, where a split product's outputs can differ in the last bit.
 """
 
 from __future__ import annotations
@@ -199,12 +200,14 @@ class StreamingMLP(DenseOnly, FlashMLP):
         matrix = fetch.matrix  # units cached .. num_units - 1 at their own rows
         if cached == 0:
             return F.linear(x, matrix, bias)
-        if x.shape[0] > 1:
-            # Many tokens: one product over the whole matrix, as the dense model computes it.
+        if x.shape[0] > 1 or x.device.type != "cpu":
+            # One product over the whole matrix, as the dense model computes it: for many tokens, and
+            # on a GPU, whose kernels may split the reduction by the matrix's shape (on an H200, split
+            # products gave Qwen2.5-1.5B other bf16 greedy tokens). There the copy is on-device.
             matrix[:cached].copy_(cache.rows[:cached])
             return F.linear(x, matrix, bias)
-        # One token: the cached rows' outputs, then the read rows' (a row's output does not depend on
-        # the rows computed beside it, so this equals the whole matrix's product).
+        # One token on the CPU: the cached rows' outputs, then the read rows' (a row's output does not
+        # depend on the rows computed beside it, so this equals the whole matrix's product).
         head = cache.rows if cached == cache.rows.shape[0] else cache.rows[:cached]
         head_bias, tail_bias = (None, None) if bias is None else (bias[:cached], bias[cached:])
         return torch.cat((F.linear(x, head, head_bias), F.linear(x, matrix[cached:], tail_bias)), 1)
