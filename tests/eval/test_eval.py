@@ -743,3 +743,95 @@ def test_the_decode_harness_loads_a_relufied_checkpoint_in_every_kind(tmp_path) 
     }
     assert runs["flashlm"]["tokens"] == runs["ram"]["tokens"] and len(runs["ram"]["tokens"]) == 4
     assert runs["flashlm"]["mlp_density"] == pytest.approx(1.0)  # dense streaming, every unit used
+
+
+def test_teacher_forcing_feeds_the_given_tokens_and_measures_agreement(tmp_path) -> None:
+    """Forced, each decode step is fed the given token; `tokens` are the model's own greedy choices
+    after the forced prefix (checked against the model by hand), and `agreement` counts the steps
+    where a choice was the forced token. Dense streaming, fed the same tokens, chooses the same."""
+    from conftest import build_tiny_model, save_word_tokenizer
+    from transformers import AutoTokenizer
+
+    from flashlm.eval.decode import PROMPT, measure_decode
+
+    model = build_tiny_model("llama")
+    model.save_pretrained(tmp_path / "model")
+    save_word_tokenizer(tmp_path / "model")
+    prompt = AutoTokenizer.from_pretrained(tmp_path / "model")(PROMPT, return_tensors="pt").input_ids
+    forced = [5, 9, 9, 2, 17]
+    with torch.no_grad():
+        expected = [
+            int(
+                model(torch.cat((prompt, torch.tensor([forced[:i]], dtype=torch.long)), 1))
+                .logits[0, -1]
+                .argmax()
+            )
+            for i in range(4)
+        ]
+    runs = {
+        kind: measure_decode(
+            {"name": kind, "kind": kind, "options": {"memory_budget": 10**7}, "forced_tokens": forced},
+            tmp_path / "model",
+            new_tokens=4,
+            offload_dir=tmp_path / "offload",
+        )
+        for kind in ("ram", "flashlm")
+    }
+    assert expected != forced[:4]  # the model does not choose the forced tokens by itself
+    for run in runs.values():
+        assert run["tokens"] == expected and run["forced"]
+        assert run["agreement"] == sum(a == b for a, b in zip(expected, forced, strict=False)) / 4
+    with pytest.raises(ConfigError, match="forced with 5 tokens but decodes 6"):
+        measure_decode(
+            {"name": "ram", "kind": "ram", "forced_tokens": forced},
+            tmp_path / "model",
+            new_tokens=6,
+            offload_dir=tmp_path / "offload",
+        )
+
+
+def test_a_teacher_forced_bench_feeds_every_configuration_the_tokens_of_ram(tmp_path, monkeypatch) -> None:
+    """Every configuration after `ram` gets ram's tokens to decode; the table gives the agreement of
+    a row that chose otherwise. If ram fails, the others fail without running; ram must come first."""
+    import json
+
+    from flashlm.eval import bench
+
+    specs = bench.configurations(memory_budget=10**6, methods=[], num_layers=2, cold=False)
+    fed = {}
+
+    def fake_run(spec, model_path, *, new_tokens, offload_dir):
+        fed[spec["name"]] = spec.get("forced_tokens")
+        result = _fake_result(spec, len(fed))
+        if spec["name"] == "flashlm-dense":
+            result.update(tokens=[1, 3], forced=True, agreement=0.5)
+        return result
+
+    monkeypatch.setattr(bench, "run_in_subprocess", fake_run)
+    report = bench.run_bench(
+        tmp_path, specs, new_tokens=2, out=tmp_path / "out", teacher_forced=True, progress=False
+    )
+    assert fed == {spec["name"]: None if spec["kind"] == "ram" else [1, 2] for spec in specs}
+    assert report["teacher_forced"] and report["failed"] == []
+    table = (tmp_path / "out" / "bench.md").read_text()
+    assert "| NO (50% agree) |" in table and "Teacher-forced: every configuration after ram" in table
+
+    def ram_fails(spec, model_path, *, new_tokens, offload_dir):
+        fed[spec["name"]] = "run"
+        if spec["kind"] == "ram":
+            raise RuntimeError("configuration ram failed")
+        return _fake_result(spec, 0)
+
+    fed.clear()
+    monkeypatch.setattr(bench, "run_in_subprocess", ram_fails)
+    report = bench.run_bench(
+        tmp_path, specs, new_tokens=2, out=tmp_path / "out2", teacher_forced=True, progress=False
+    )
+    assert fed == {"ram": "run"} and report["results"] == []
+    assert [f["config"] for f in report["failed"]] == [spec["name"] for spec in specs]
+    assert (
+        "teacher forcing needs the tokens of `ram`"
+        in json.loads((tmp_path / "out2" / "bench.json").read_text())["failed"][1]["error"]
+    )
+    with pytest.raises(ConfigError, match="`ram`, which must run first"):
+        bench.run_bench(tmp_path, specs[1:], new_tokens=2, out=tmp_path / "out3", teacher_forced=True)

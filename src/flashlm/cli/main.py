@@ -240,7 +240,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"writing {out / 'bench.json'} and {out / 'bench.md'} as each configuration finishes")
     throughput = [] if args.no_disk else bench.disk_throughput(work or Path("/var/tmp"))
     report = bench.run_bench(
-        model_path, plan.specs, new_tokens=args.new_tokens, out=out, work_dir=work, throughput=throughput
+        model_path,
+        plan.specs,
+        new_tokens=args.new_tokens,
+        out=out,
+        work_dir=work,
+        throughput=throughput,
+        teacher_forced=args.teacher_forced,
     )
     measured = {result["config"] for result in report["results"]}
     if args.ppl_tokens and measured:
@@ -782,6 +788,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--warm", action="store_true", help="keep the page cache (no root needed; labelled)"
     )
     bench_parser.add_argument("--no-disk", action="store_true", help="skip the disk throughput measurement")
+    bench_parser.add_argument(
+        "--teacher-forced",
+        action="store_true",
+        help="feed every configuration ram's greedy tokens, so that all decode the same text",
+    )
     bench_parser.add_argument(
         "--ppl-tokens",
         type=_int_at_least(0),

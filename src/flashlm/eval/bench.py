@@ -404,6 +404,7 @@ def run_bench(
     out: Path,
     work_dir: Path | None = None,
     throughput: list[dict[str, Any]] | None = None,
+    teacher_forced: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run every spec, each in its own process, and return the report: `{"results": [...], "failed":
@@ -415,10 +416,20 @@ def run_bench(
     its error and the bench goes on with the next; the caller decides what failures mean.
     `pending` names those not finished yet. Offload folders go under `work_dir`, or a temporary
     directory removed after.
+
+    With `teacher_forced`, the first spec must be `ram`: every later one is fed its greedy tokens
+    (`forced_tokens`, see `flashlm.eval.decode`), so that every row decodes the same text; if `ram`
+    fails, the others are recorded as failed without running.
     """
     from tqdm.auto import tqdm
 
     names = [spec["name"] for spec in specs]
+    if teacher_forced and (not specs or specs[0]["kind"] != "ram"):
+        raise ConfigError(
+            f"Teacher forcing feeds every configuration the greedy tokens of `ram`, which must run "
+            f"first; the configurations are {names}."
+        )
+    forced_tokens = None
     report: dict[str, Any] = {
         "results": [],
         "failed": [],
@@ -428,6 +439,7 @@ def run_bench(
         "naive": NAIVE if NAIVE in names else "accelerate-warm",
         "throughput": throughput or [],
         "best_throughput": max((cell["bytes_per_s"] for cell in throughput or []), default=math.nan),
+        "teacher_forced": teacher_forced,
     }
     save(report, out)
     with contextlib.ExitStack() as stack:
@@ -439,7 +451,11 @@ def run_bench(
         bar = tqdm(specs, desc="flashlm bench", unit="config", disable=not progress)
         for spec in bar:
             bar.set_postfix_str(spec["name"])
+            if forced_tokens is not None:
+                spec = {**spec, "forced_tokens": forced_tokens}
             try:
+                if teacher_forced and spec["kind"] != "ram" and forced_tokens is None:
+                    raise RuntimeError("not run: teacher forcing needs the tokens of `ram`, which failed")
                 result = run_in_subprocess(
                     spec, model_path, new_tokens=new_tokens, offload_dir=work_dir / spec["name"]
                 )
@@ -450,6 +466,8 @@ def run_bench(
             else:
                 result.update({key: spec[key] for key in ("memory_layers", "model") if key in spec})
                 report["results"].append(result)
+                if teacher_forced and spec["kind"] == "ram":
+                    forced_tokens = result["tokens"]
             report["pending"].pop(0)
             add_ratios(report)
             save(report, out)
@@ -511,8 +529,14 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {number(r.get('hit_rate'), '.1%')} | {split} | {r['peak_rss'] / 1e6:.0f} "
             f"| {'∞' if math.isinf(bound) else number(bound, '.1f')} "
             f"| {number(r['fraction_of_bound'], '.1%')} "
-            f"| {'—' if ram is None or 'model' in r else ('yes' if r['tokens'] == ram['tokens'] else 'NO')} "
+            f"| {same_tokens(r, ram)} "
             f"| {number(r.get('perplexity'), '.2f')} |"
+        )
+    if report.get("teacher_forced"):
+        lines.append(
+            "\nTeacher-forced: every configuration after ram was fed ram's greedy tokens, so every row "
+            "decoded the same text; where a row's own greedy tokens differ from ram's, `tokens = ram` "
+            "gives the share of steps where they agreed."
         )
     if report["throughput"]:
         cells = ", ".join(
@@ -537,6 +561,16 @@ def markdown(report: dict[str, Any]) -> str:
             "measurement; Endor (lossless) is scored as its pruned checkpoint."
         )
     return "\n".join(lines)
+
+
+def same_tokens(result: dict[str, Any], ram: dict[str, Any] | None) -> str:
+    """The `tokens = ram` cell: whether a row's greedy tokens are ram's (teacher-forced: the share of
+    steps where they agreed, when not all did); a pruned checkpoint's (`model`) are not compared."""
+    if ram is None or "model" in result:
+        return "—"
+    if result["tokens"] == ram["tokens"]:
+        return "yes"
+    return f"NO ({result['agreement']:.0%} agree)" if result.get("forced") else "NO"
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:

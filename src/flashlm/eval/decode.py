@@ -17,6 +17,12 @@ same greedy loop: one prefill forward, then one forward per new token, each time
   with `"trace_path"` in the dict (and `record_trace` in the options) the units each layer used
   are saved there (`flashlm.trace`).
 
+With `"forced_tokens": [...]` in the dict (teacher forcing), decode step i is fed `forced_tokens[i]`
+instead of the configuration's own greedy token: configurations fed the same tokens (another run's
+`tokens`) decode the same text, so their bytes and speed compare on equal work. `tokens` still
+holds each step's own greedy choice, and `agreement` the fraction of steps where it was the forced
+token (1.0 for a configuration that computes the forcing run's model exactly).
+
 A relufied checkpoint (`flashlm train relufy`: FATReLU, which transformers cannot build from its
 config) loads with its thresholds in every kind (`flashlm.training.checkpoints.load_checkpoint`; the
 `flashlm` kind through `load_streaming`, which never reads its MLP weights either).
@@ -39,6 +45,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from ..errors import ConfigError
 
 PROMPT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
@@ -148,6 +156,12 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
     from .._utils import peak_rss_bytes
     from ..patching import flashlm_modules, stats, trace
 
+    forced = spec.get("forced_tokens")
+    if forced is not None and len(forced) < new_tokens:
+        raise ConfigError(
+            f"Configuration {spec['name']!r} is forced with {len(forced)} tokens but decodes "
+            f"{new_tokens}: give at least as many forced tokens as new tokens."
+        )
     torch.manual_seed(0)
     model_path = Path(spec.get("model", model_path))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -169,9 +183,11 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
         if patched:
             stats(model, reset=True)
         layer_times.reset()
-        for _ in range(new_tokens):
+        for step in range(new_tokens):
             next_token = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(int(next_token))
+            if forced is not None:
+                next_token = torch.full_like(next_token, forced[step])
             if cold:
                 drop_page_cache()
             read_before = proc_read_bytes()
@@ -192,9 +208,14 @@ def measure_decode(spec: dict[str, Any], model_path: Path, *, new_tokens: int, o
         "proc_read_bytes_per_token": sum(step_bytes) / len(step_bytes),
         "peak_rss": peak_rss_bytes(),
         "tokens": tokens,
+        "forced": forced is not None,
         "layer_ms": layer_times.mean_ms(),
         "last_step_layers": layer_times.last_step,
     }
+    if forced is not None:
+        result["agreement"] = sum(
+            own == fed for own, fed in zip(tokens, forced[:new_tokens], strict=True)
+        ) / len(tokens)
     if patched:
         result.update(_flashlm_result(model, stats(model), step_starts=layer_times.step_starts))
         if spec.get("trace_path"):
