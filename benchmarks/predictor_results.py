@@ -24,7 +24,9 @@ One command, four parts, written to `<out>/report.md` (and `results.json`):
    perplexity swept over `--dip-densities` (token by token, as it decodes); the lowest density whose
    perplexity is at most the predictor's on every corpus is decoded at the same budget, alternating
    with each predictor row `--verdict-runs` times, and the report says which is faster in every run,
-   or that their runs overlap.
+   or that their runs overlap. With `--teacher-forced` every decode row is fed the dense row's greedy
+   tokens (`flashlm.eval.decode`'s `forced_tokens`), so that rows whose own choices differ still
+   decode the same text; the table then gives each row's agreement with the dense row's choices.
 
     python benchmarks/predictor_results.py --relufied bench-results/relufy/smollm2-fatrelu/model \\
         --out bench-results/predictors
@@ -140,6 +142,11 @@ def main() -> None:
         type=int,
         default=3,
         help="decodes of the predictor and of the equal-perplexity DIP-CA row, alternating, for the verdict",
+    )
+    parser.add_argument(
+        "--teacher-forced",
+        action="store_true",
+        help="feed every decode row the dense row's greedy tokens (all rows decode the same text)",
     )
     parser.add_argument("--out", type=Path, default=Path("bench-results/predictors"))
     args = parser.parse_args()
@@ -340,14 +347,18 @@ def main() -> None:
         }
         models[equal_row] = swiglu
     with tempfile.TemporaryDirectory() as offload:  # `flashlm.eval.decode`, as `flashlm bench` runs rows
+        forced: dict[str, Any] = {}
 
         def decode(name: str) -> dict[str, Any]:
-            spec = {"name": name, "kind": "flashlm", "options": specs[name]}
+            spec = {"name": name, "kind": "flashlm", "options": specs[name], **forced}
             return run_in_subprocess(
                 spec, models[name], new_tokens=args.new_tokens, offload_dir=Path(offload)
             )
 
-        decoded = {name: decode(name) for name in specs}
+        decoded = {"dense": decode("dense")}  # exact: the relufied model's own greedy tokens
+        if args.teacher_forced:
+            forced["forced_tokens"] = decoded["dense"]["tokens"]
+        decoded |= {name: decode(name) for name in specs if name != "dense"}
         # The verdict compares two rows on a noisy machine: more runs of both, alternating, so that a
         # slow spell of the machine does not land on one row only.
         verdict_runs = {name: [decoded[name]["decode_tok_s"]] for name in PREDICTOR_ROWS}
@@ -365,9 +376,19 @@ def main() -> None:
         f"## Decode, relufied model, memory budget {args.memory_budget} of the MLP bytes, "
         f"{args.new_tokens} tokens",
         "",
+        *(
+            [
+                "Teacher-forced: every row was fed the dense row's greedy tokens, so every row decoded "
+                "the same text; `agreement` is the share of steps where a row's own greedy token was "
+                "the dense row's.",
+                "",
+            ]
+            if args.teacher_forced
+            else []
+        ),
         "| configuration | tok/s | x dense | MB read/token | requests/token | new neurons/token "
-        "| MLP density | hit rate | hot set: units, MB, profiled uses covered |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| MLP density | hit rate | hot set: units, MB, profiled uses covered | agreement |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in decoded.items():
         # a predictor unit is one neuron's bundle; predictor-gate's are a gate row or an up_down row
@@ -378,7 +399,8 @@ def main() -> None:
             f"| {name} | {r['decode_tok_s']:.2f} | {r['decode_tok_s'] / dense:.2f} "
             f"| {r['reader_bytes_per_token'] / 1e6:.1f} | {r['reads_per_token']:.0f} | {new} "
             f"| {r['mlp_density']:.1%} "
-            f"| {r['hit_rate']:.1%} | {hot_set_cell(r.get('hot_set'))} |"
+            f"| {r['hit_rate']:.1%} | {hot_set_cell(r.get('hot_set'))} "
+            f"| {format(r['agreement'], '.0%') if 'agreement' in r else '—'} |"
         )
     for name in PREDICTOR_ROWS if equal_row is not None else ():
         ours, theirs = verdict_runs[name], verdict_runs[equal_row]
