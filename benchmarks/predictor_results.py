@@ -116,7 +116,8 @@ def main() -> None:
     parser.add_argument(
         "--train-corpora",
         default=",".join(DEFAULT_TRAIN_CORPORA),
-        help="corpora whose calibration splits the predictors learn from, an equal share of the tokens each",
+        help="corpora whose calibration splits the predictors learn from, an equal share of the tokens "
+        "each where a corpus has it",
     )
     parser.add_argument(
         "--reuse-predictors",

@@ -111,8 +111,9 @@ def test_too_few_tokens_for_one_window_is_refused_before_any_work(tiny_opt):
 
 def test_each_corpus_gives_an_equal_share_of_the_labelled_windows(tiny_opt, monkeypatch):
     """Several corpora: the windows are the start of each one's calibration split, an equal whole number
-    of windows each, in the order given; a corpus too small for its share, or a share under one window,
-    is refused before any labelling."""
+    of windows each, in the order given; a corpus with fewer gives all it has and the others make up
+    the difference. Fewer windows than corpora, or more tokens than the corpora hold, are refused
+    before any labelling."""
     from transformers import AutoTokenizer
 
     from flashlm.data.corpora import CorpusNotFoundError, corpus_tokens, require
@@ -125,25 +126,46 @@ def test_each_corpus_gives_an_equal_share_of_the_labelled_windows(tiny_opt, monk
     seen = []
 
     def collect(model, batches, **kwargs):
-        seen.extend(batches)
+        seen.append(torch.cat(batches, dim=1)[0])
         raise RuntimeError("stop after the windows")  # the rest is the single-corpus path
 
     monkeypatch.setattr(workflow, "collect_activations", collect)
-    with pytest.raises(RuntimeError, match="stop after the windows"):
-        train_store_predictors(tiny_opt, corpora=("shakespeare", "jargon"), tokens=300, sequence_length=64)
     tokenizer = AutoTokenizer.from_pretrained(tiny_opt)
-    expected = [
-        corpus_tokens(name, tokenizer, split="calibration")[:128] for name in ("shakespeare", "jargon")
-    ]
-    assert len(seen) == 4 and all(window.shape == (1, 64) for window in seen)  # 150 tokens each: 2 windows
-    assert torch.equal(torch.cat(seen, dim=1)[0], torch.cat(expected))
+    shakespeare, jargon = (
+        corpus_tokens(name, tokenizer, split="calibration") for name in ("shakespeare", "jargon")
+    )
+    both = ("shakespeare", "jargon")
+    with pytest.raises(RuntimeError, match="stop after the windows"):
+        train_store_predictors(tiny_opt, corpora=both, tokens=300, sequence_length=64)
+    assert torch.equal(seen[-1], torch.cat((shakespeare[:128], jargon[:128])))  # 4 windows: 2 each
+
+    jargon_windows = jargon.numel() // 64
+    assert shakespeare.numel() // 64 > jargon_windows + 10
+    with pytest.raises(RuntimeError, match="stop after the windows"):
+        train_store_predictors(
+            tiny_opt, corpora=both, tokens=(2 * jargon_windows + 10) * 64, sequence_length=64
+        )
+    expected = torch.cat((shakespeare[: (jargon_windows + 10) * 64], jargon[: jargon_windows * 64]))
+    assert torch.equal(seen[-1], expected)  # jargon gives all it has, Shakespeare the rest
 
     with pytest.raises(ConfigError, match="per corpus"):
-        train_store_predictors(tiny_opt, corpora=("shakespeare", "jargon"), tokens=100, sequence_length=64)
-    small = corpus_tokens("jargon", tokenizer, split="calibration").numel()
-    with pytest.raises(ConfigError, match="fewer than its share"):
-        train_store_predictors(tiny_opt, corpora=("jargon",), tokens=small + 64, sequence_length=64)
-    assert len(seen) == 4  # the refused calls labelled nothing
+        train_store_predictors(tiny_opt, corpora=both, tokens=100, sequence_length=64)
+    with pytest.raises(
+        ConfigError,
+        match=rf"hold fewer than the {jargon.numel() + 64} tokens asked.*jargon: {jargon.numel()}",
+    ):
+        train_store_predictors(tiny_opt, corpora=("jargon",), tokens=jargon.numel() + 64, sequence_length=64)
+    assert len(seen) == 2  # the refused calls labelled nothing
+
+
+def test_window_shares_fill_equally_as_far_as_each_corpus_has() -> None:
+    from flashlm.workflows.predictors import window_shares
+
+    assert window_shares([100, 100, 100], 90) == [30, 30, 30]
+    assert window_shares([100, 100], 7) == [3, 4]  # the larger (here the last) takes what rounding leaves
+    assert window_shares([10, 100, 50], 90) == [10, 40, 40]
+    assert window_shares([10, 100, 25], 90) == [10, 55, 25]
+    assert window_shares([10, 20], 90) == [10, 20]  # the corpora hold less than asked
 
 
 def test_the_cli_trains_and_reports_per_layer(tiny_opt, tmp_path, capsys):

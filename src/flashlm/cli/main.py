@@ -635,8 +635,8 @@ def _add_train_parser(sub) -> None:
         "--corpora",
         type=names,
         default=DEFAULT_TRAIN_CORPORA,
-        help="labels come from their calibration splits, an equal share of --tokens each "
-        f"(default: {','.join(DEFAULT_TRAIN_CORPORA)})",
+        help="labels come from their calibration splits, an equal share of --tokens each where a corpus "
+        f"has it, the others making up what a smaller one lacks (default: {','.join(DEFAULT_TRAIN_CORPORA)})",
     )
     predictors.add_argument("--tokens", type=_int_at_least(2), default=32768, help="tokens to label, in all")
     predictors.add_argument("--sequence-length", type=_int_at_least(2), default=256)

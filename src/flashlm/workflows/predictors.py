@@ -36,8 +36,9 @@ def train_store_predictors(
     progress: bool = True,
 ) -> Predictors:
     """Train and save the predictors of `model` (a bundled model's name, a checkpoint directory, or the
-    default model) on `tokens` tokens in windows of `sequence_length`, an equal share from the start
-    of each of `corpora`'s calibration splits; returns them, their per-layer reports in `.reports`.
+    default model) on `tokens` tokens in windows of `sequence_length` from the start of `corpora`'s
+    calibration splits, an equal share each where a corpus has it (`window_shares`: a smaller one
+    gives all it has, the others the rest); returns them, their per-layer reports in `.reports`.
     (Trained on Shakespeare alone, relufied SmolLM2's predictors caught 0.93 of the activations on
     Shakespeare but 0.88-0.90 on jargon, where their misses cost the most perplexity.) More tokens
     buy precision: on relufied SmolLM2 (rank <= 128, recall target 0.95), 16384 / 30720 / 61440
@@ -63,24 +64,26 @@ def train_store_predictors(
     corpora = (corpora,) if isinstance(corpora, str) else tuple(corpora)
     if not corpora:
         raise ConfigError("Predictors need at least one corpus to learn from.")
-    share = tokens // len(corpora)
-    if share < sequence_length or sequence_length < 2:
+    wanted = tokens // sequence_length if sequence_length >= 2 else 0
+    if wanted < len(corpora):
         raise ConfigError(
             f"tokens ({tokens}) must hold at least one window of sequence_length ({sequence_length} >= 2) "
             f"per corpus ({len(corpora)}): ask for more tokens or a shorter sequence length."
         )
-    share -= share % sequence_length
     path = Path(model_path(model))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    windows = []
-    for corpus in corpora:
-        ids = corpus_tokens(corpus, tokenizer, split="calibration")
-        if ids.numel() < share:
-            raise ConfigError(
-                f"The calibration split of {corpus!r} has {ids.numel()} tokens for this tokenizer, fewer "
-                f"than its share of {share}: ask for fewer tokens or leave that corpus out."
-            )
-        windows.append(ids[:share].view(-1, 1, sequence_length))
+    splits = [corpus_tokens(corpus, tokenizer, split="calibration") for corpus in corpora]
+    counts = window_shares([ids.numel() // sequence_length for ids in splits], wanted)
+    if sum(counts) < wanted:
+        held = ", ".join(f"{c}: {ids.numel()}" for c, ids in zip(corpora, splits, strict=True))
+        raise ConfigError(
+            f"The calibration splits hold fewer than the {tokens} tokens asked, in windows of "
+            f"{sequence_length}, for this tokenizer ({held}): ask for fewer tokens or add a corpus."
+        )
+    windows = [
+        ids[: count * sequence_length].view(-1, 1, sequence_length)
+        for ids, count in zip(splits, counts, strict=True)
+    ]
     target = open_checkpoint_store(path, FlashConfig(store=str(store) if store else None))
     options = options or TrainOptions()
     if options.dtype is None:
@@ -95,6 +98,20 @@ def train_store_predictors(
     predictors = train_predictors(samples, options, progress=progress)
     predictors.save(target)
     return predictors
+
+
+def window_shares(available: Sequence[int], wanted: int) -> list[int]:
+    """Windows to take from each corpus, at most `available[i]` from corpus i: `wanted` shared equally,
+    a corpus with fewer giving all it has and the others making up the difference (filled smallest
+    first, the largest taking what rounding leaves). They sum to less than `wanted` only where the
+    corpora hold less."""
+    counts = [0] * len(available)
+    left = wanted
+    order = sorted(range(len(available)), key=available.__getitem__)
+    for done, i in enumerate(order):
+        counts[i] = min(available[i], left // (len(available) - done))
+        left -= counts[i]
+    return counts
 
 
 def read_share(method: str, store: Store) -> float:
