@@ -111,6 +111,11 @@ class LayerSamples:
     _keys: torch.Tensor = field(
         default_factory=lambda: torch.empty(0, dtype=torch.float64), init=False, repr=False
     )
+    _filling: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=list, init=False, repr=False
+    )
+    """Batches (inputs, labels, keys) held apart until the sample is full or collection ends: one
+    concatenation at the end, where concatenating per batch copied the whole sample every batch."""
 
     @property
     def d_model(self) -> int:
@@ -131,8 +136,12 @@ class LayerSamples:
         if max_rows <= 0:
             return
         keys = torch.rand(x.shape[0], generator=generator, dtype=torch.float64)
-        held = self._keys.numel()
-        if held < max_rows:  # still filling up
+        held = self._keys.numel() + sum(batch_keys.numel() for _, _, batch_keys in self._filling)
+        if held + x.shape[0] <= max_rows:  # still filling up
+            self._filling.append((x, labels, keys))
+            return
+        self._finish()
+        if held < max_rows:  # fills up with this batch
             inputs = torch.cat([self.inputs.to(x.dtype), x])  # the first rows set the dtype
             all_labels, all_keys = torch.cat([self.labels, labels]), torch.cat([self._keys, keys])
             if all_keys.numel() > max_rows:
@@ -150,6 +159,16 @@ class LayerSamples:
         self.inputs[slots] = x[arriving].to(self.inputs.dtype)
         self.labels[slots] = labels[arriving]
         self._keys[slots] = keys[arriving]
+
+    def _finish(self) -> None:
+        """Append the batches held apart to the sample."""
+        if not self._filling:
+            return
+        inputs, labels, keys = zip(*self._filling, strict=True)
+        self.inputs = torch.cat([self.inputs.to(inputs[0].dtype), *inputs])  # the first rows set the dtype
+        self.labels = torch.cat([self.labels, *labels])
+        self._keys = torch.cat([self._keys, *keys])
+        self._filling.clear()
 
 
 def _batch_tensors(
@@ -272,4 +291,6 @@ def collect_activations(
     finally:
         for handle in handles:
             handle.remove()
+    for layer_samples in samples.values():
+        layer_samples._finish()
     return [samples[layer] for layer in sorted(samples)]
