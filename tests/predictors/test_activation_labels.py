@@ -160,3 +160,25 @@ def test_the_kept_rows_are_a_uniform_sample_of_the_stream() -> None:
     # each tenth of the stream holds about a tenth of the sample (binomial sd ~ 9.5)
     per_tenth = torch.bincount((kept // 1000).long(), minlength=10)
     assert (per_tenth - 100).abs().max() < 40
+
+
+def test_a_sample_that_never_fills_keeps_every_row_in_order_in_storage_of_its_size() -> None:
+    """Rows go into storage grown by doubling; at the end of a collection the sample holds exactly
+    the rows seen, in order, and no more memory than they take."""
+    samples = LayerSamples(
+        layer=0,
+        inputs=torch.empty(0, 2),
+        labels=torch.empty(0, 3, dtype=torch.bool),
+        rows_seen=0,
+        active_counts=torch.zeros(3, dtype=torch.int64),
+        mlp_params=0,
+    )
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.arange(0, 2 * 370, dtype=torch.bfloat16).view(370, 2)
+    labels = torch.cat((rows, rows[:, :1]), 1) > 100
+    for start in range(0, 370, 37):
+        samples._add(rows[start : start + 37], labels[start : start + 37], 1000, generator)
+    samples._finish()
+    assert torch.equal(samples.inputs, rows) and samples.inputs.dtype == torch.bfloat16
+    assert torch.equal(samples.labels, labels)
+    assert samples.inputs.untyped_storage().nbytes() == rows.numel() * 2  # not the doubled storage

@@ -111,11 +111,13 @@ class LayerSamples:
     _keys: torch.Tensor = field(
         default_factory=lambda: torch.empty(0, dtype=torch.float64), init=False, repr=False
     )
-    _filling: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
-        default_factory=list, init=False, repr=False
+    _storage: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
+        default=None, init=False, repr=False
     )
-    """Batches (inputs, labels, keys) held apart until the sample is full or collection ends: one
-    concatenation at the end, where concatenating per batch copied the whole sample every batch."""
+    """While the sample fills: (inputs, labels, keys) rows allocated ahead, of which `inputs`,
+    `labels` and `_keys` are the first, grown by doubling. Concatenating per batch copied the whole
+    sample every batch; holding the batches apart kept thousands of small blocks that the allocator
+    did not give back (122880 SmolLM2 rows ran out of 23 GB)."""
 
     @property
     def d_model(self) -> int:
@@ -136,11 +138,13 @@ class LayerSamples:
         if max_rows <= 0:
             return
         keys = torch.rand(x.shape[0], generator=generator, dtype=torch.float64)
-        held = self._keys.numel() + sum(batch_keys.numel() for _, _, batch_keys in self._filling)
-        if held + x.shape[0] <= max_rows:  # still filling up
-            self._filling.append((x, labels, keys))
+        held, total = self._keys.numel(), self._keys.numel() + x.shape[0]
+        if total <= max_rows:  # still filling up
+            inputs, all_labels, all_keys = self._reserve(total, max_rows, x.dtype if held == 0 else None)
+            inputs[held:total], all_labels[held:total], all_keys[held:total] = x, labels, keys
+            self.inputs, self.labels, self._keys = inputs[:total], all_labels[:total], all_keys[:total]
             return
-        self._finish()
+        self._storage = None  # from here on the sample is its own tensors, of max_rows rows
         if held < max_rows:  # fills up with this batch
             inputs = torch.cat([self.inputs.to(x.dtype), x])  # the first rows set the dtype
             all_labels, all_keys = torch.cat([self.labels, labels]), torch.cat([self._keys, keys])
@@ -160,15 +164,35 @@ class LayerSamples:
         self.labels[slots] = labels[arriving]
         self._keys[slots] = keys[arriving]
 
+    def _reserve(
+        self, rows: int, max_rows: int, dtype: torch.dtype | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Storage for `rows` rows holding the sample so far: the current one, or one twice as large
+        (at most `max_rows`) with the rows copied in. `dtype` sets the inputs' (the first rows')."""
+        capacity = 0 if self._storage is None else self._storage[2].numel()
+        if rows <= capacity:
+            return self._storage
+        capacity = min(max_rows, max(rows, 2 * capacity))
+        held = self._keys.numel()
+        storage = (
+            torch.empty(capacity, self.d_model, dtype=dtype or self.inputs.dtype),
+            torch.empty(capacity, self.d_ff, dtype=torch.bool),
+            torch.empty(capacity, dtype=torch.float64),
+        )
+        for new, old in zip(storage, (self.inputs, self.labels, self._keys), strict=True):
+            new[:held] = old
+        self._storage = storage
+        return storage
+
     def _finish(self) -> None:
-        """Append the batches held apart to the sample."""
-        if not self._filling:
-            return
-        inputs, labels, keys = zip(*self._filling, strict=True)
-        self.inputs = torch.cat([self.inputs.to(inputs[0].dtype), *inputs])  # the first rows set the dtype
-        self.labels = torch.cat([self.labels, *labels])
-        self._keys = torch.cat([self._keys, *keys])
-        self._filling.clear()
+        """End a collection: a sample that stopped short of its storage is copied out of it."""
+        if self._storage is not None and self._storage[2].numel() > self._keys.numel():
+            self.inputs, self.labels, self._keys = (
+                self.inputs.clone(),
+                self.labels.clone(),
+                self._keys.clone(),
+            )
+        self._storage = None
 
 
 def _batch_tensors(
