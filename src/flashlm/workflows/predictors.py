@@ -41,11 +41,11 @@ def train_store_predictors(
     gives all it has, the others the rest); returns them, their per-layer reports in `.reports`.
     (Trained on Shakespeare alone, relufied SmolLM2's predictors caught 0.93 of the activations on
     Shakespeare but 0.88-0.90 on jargon, where their misses cost the most perplexity.) More tokens
-    buy precision: on relufied SmolLM2 (rank <= 128, recall target 0.95), 16384 / 30720 / 61440
-    tokens gave test-split precision 0.42 / 0.49 / 0.55 on Shakespeare (0.37 / 0.43 / 0.50 on
-    jargon) and perplexity with predictors 28.5 / 27.2 / 26.0 (91.8 / 78.0 / 71.8; 24.6 / 63.0
-    without misses). The labelled rows are held in memory: layers x (4 d_model + d_ff) bytes per
-    token, 115 KB for SmolLM2 and 423 KB for Qwen2.5-1.5B.
+    buy precision: on relufied SmolLM2 (rank <= 128, recall target 0.95), 16384 / 30720 / 61440 /
+    122880 tokens gave test-split precision 0.42 / 0.49 / 0.55 / 0.57 on Shakespeare (0.37 / 0.43 /
+    0.50 / 0.51 on jargon) and perplexity with predictors 28.5 / 27.2 / 26.0 / 25.5 (91.8 / 78.0 /
+    71.8 / 71.6; 24.6 / 63.0 without misses). The labelled rows are held in memory: layers x
+    (4 d_model + d_ff) bytes per token, 115 KB for SmolLM2 and 423 KB for Qwen2.5-1.5B.
 
     `rule` says what "active" means (default: exactly nonzero for ReLU-family models, the top 10% by
     magnitude otherwise); `store` the store to save beside (default: the model's, converted if
