@@ -140,15 +140,20 @@ def test_hooks_are_removed_even_on_error() -> None:
         collect_activations(model, [tokens(1, 4)], layers=[5], progress=False)
 
 
-def test_the_kept_rows_are_a_uniform_sample_of_the_stream() -> None:
-    samples = LayerSamples(
+def empty_samples(d_model: int, d_ff: int) -> LayerSamples:
+    """A layer's samples before any row, as `collect_activations` starts them."""
+    return LayerSamples(
         layer=0,
-        inputs=torch.empty(0, 1),
-        labels=torch.empty(0, 2, dtype=torch.bool),
+        inputs=torch.empty(0, d_model),
+        labels=torch.empty(0, d_ff, dtype=torch.bool),
         rows_seen=0,
-        active_counts=torch.zeros(2, dtype=torch.int64),
+        active_counts=torch.zeros(d_ff, dtype=torch.int64),
         mlp_params=0,
     )
+
+
+def test_the_kept_rows_are_a_uniform_sample_of_the_stream() -> None:
+    samples = empty_samples(1, 2)
     generator = torch.Generator().manual_seed(0)
     for start in range(0, 10_000, 50):  # 200 batches of 50 rows; row i holds i
         ids = torch.arange(start, start + 50, dtype=torch.float64)[:, None]
@@ -165,14 +170,7 @@ def test_the_kept_rows_are_a_uniform_sample_of_the_stream() -> None:
 def test_a_sample_that_never_fills_keeps_every_row_in_order_in_storage_of_its_size() -> None:
     """Rows go into storage grown by doubling; at the end of a collection the sample holds exactly
     the rows seen, in order, and no more memory than they take."""
-    samples = LayerSamples(
-        layer=0,
-        inputs=torch.empty(0, 2),
-        labels=torch.empty(0, 3, dtype=torch.bool),
-        rows_seen=0,
-        active_counts=torch.zeros(3, dtype=torch.int64),
-        mlp_params=0,
-    )
+    samples = empty_samples(2, 3)
     generator = torch.Generator().manual_seed(0)
     rows = torch.arange(0, 2 * 370, dtype=torch.bfloat16).view(370, 2)
     labels = torch.cat((rows, rows[:, :1]), 1) > 100

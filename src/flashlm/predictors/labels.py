@@ -138,7 +138,8 @@ class LayerSamples:
         if max_rows <= 0:
             return
         keys = torch.rand(x.shape[0], generator=generator, dtype=torch.float64)
-        held, total = self._keys.numel(), self._keys.numel() + x.shape[0]
+        held = self._keys.numel()
+        total = held + x.shape[0]
         if total <= max_rows:  # still filling up
             inputs, all_labels, all_keys = self._reserve(total, max_rows, x.dtype if held == 0 else None)
             inputs[held:total], all_labels[held:total], all_keys[held:total] = x, labels, keys
