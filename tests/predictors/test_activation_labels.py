@@ -14,6 +14,7 @@ from flashlm.predictors import (
     default_label_rule,
     profile_activations,
 )
+from flashlm.predictors.labels import pack_labels, unpack_labels
 
 
 def tokens(batch: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -31,6 +32,31 @@ def test_label_rules() -> None:
     for bad in (lambda: LabelRule.top(0.0), lambda: LabelRule.above(-1.0), lambda: LabelRule("x", 1.0)):
         with pytest.raises(ValueError):
             bad()
+
+
+@pytest.mark.parametrize("d_ff", [1, 8, 13, 96])
+def test_labels_are_held_as_bits_and_read_back_unchanged(d_ff: int) -> None:
+    labels = torch.rand(7, d_ff, generator=torch.Generator().manual_seed(d_ff)) > 0.5
+    packed = pack_labels(labels)
+    assert packed.dtype == torch.uint8 and packed.shape == (7, -(-d_ff // 8))
+    assert torch.equal(unpack_labels(packed, d_ff), labels)
+    assert pack_labels(
+        torch.tensor([[True, False, True, True, False, False, False, False, True]])
+    ).tolist() == [[0b1101, 0b1]]  # neuron j is bit j % 8 of byte j // 8
+
+
+def test_collected_inputs_are_kept_in_the_dtype_asked_and_labels_as_bits() -> None:
+    model = build_tiny_model("llama", torch.float32)
+    full, lean = (
+        collect_activations(
+            model, [tokens(2, 12)], rule=LabelRule.top(0.25), input_dtype=dtype, progress=False
+        )
+        for dtype in (None, torch.bfloat16)
+    )
+    for f, s in zip(full, lean, strict=True):
+        assert f.inputs.dtype == torch.float32 and torch.equal(s.inputs, f.inputs.bfloat16())
+        assert torch.equal(s.labels, f.labels)  # labelled from the model's own activations
+        assert s.packed_labels.shape == (24, 96 // 8)
 
 
 def test_default_rule_follows_the_activation() -> None:

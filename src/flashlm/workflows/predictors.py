@@ -44,8 +44,9 @@ def train_store_predictors(
     buy precision: on relufied SmolLM2 (rank <= 128, recall target 0.95), 16384 / 30720 / 61440 /
     122880 tokens gave test-split precision 0.42 / 0.49 / 0.55 / 0.57 on Shakespeare (0.37 / 0.43 /
     0.50 / 0.51 on jargon) and perplexity with predictors 28.5 / 27.2 / 26.0 / 25.5 (91.8 / 78.0 /
-    71.8 / 71.6; 24.6 / 63.0 without misses). The labelled rows are held in memory: layers x
-    (4 d_model + d_ff) bytes per token, 115 KB for SmolLM2 and 423 KB for Qwen2.5-1.5B.
+    71.8 / 71.6; 24.6 / 63.0 without misses). The labelled rows are held in memory, inputs in the
+    predictors' dtype and labels as bits: layers x (2 d_model + d_ff / 8) bytes per token in bf16,
+    40 KB for SmolLM2 and 117 KB for Qwen2.5-1.5B.
 
     `rule` says what "active" means (default: exactly nonzero for ReLU-family models, the top 10% by
     magnitude otherwise); `store` the store to save beside (default: the model's, converted if
@@ -92,7 +93,12 @@ def train_store_predictors(
         options = replace(options, read_share=read_share(method, target))
     dense = load_checkpoint(path, dtype=torch.float32)  # a relufied one with its FATReLU thresholds
     samples = collect_activations(
-        dense, list(torch.cat(windows)), rule=rule, max_rows=tokens, progress=progress
+        dense,
+        list(torch.cat(windows)),
+        rule=rule,
+        max_rows=tokens,
+        input_dtype=options.dtype,
+        progress=progress,
     )
     del dense
     predictors = train_predictors(samples, options, progress=progress)
