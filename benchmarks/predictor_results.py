@@ -111,7 +111,7 @@ def main() -> None:
         type=int,
         default=61440,
         help="tokens labelled for the predictors (default: 61440, about all the calibration text of "
-        "debian-reference, the smallest corpus, times three; held in memory, ~7 GB for SmolLM2)",
+        "debian-reference, the smallest corpus, times three; held in memory, ~2.5 GB for SmolLM2)",
     )
     parser.add_argument(
         "--train-corpora",
