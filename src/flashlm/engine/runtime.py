@@ -52,11 +52,27 @@ class Fetch:
     busy_s: float
 
     def to(self, device: torch.device) -> Fetch:
-        """This fetch with its ids and staging matrix on `device` (itself where they are there already):
-        reads land in host memory, and a module computes where its caches are."""
+        """This fetch with its ids and read rows on `device` (itself where they are there already):
+        reads land in host memory, and a module computes where its caches are. Only the read rows
+        cross (`copy_rows`: half of a dense staging matrix at a 50% budget, a sparse step's few
+        percent), into a matrix of the staging shape whose other rows are zeros."""
         if self.matrix.device == device:
             return self
-        return dataclasses.replace(self, ids=self.ids.to(device), matrix=self.matrix.to(device))
+        matrix = torch.zeros(self.matrix.shape, dtype=self.matrix.dtype, device=device)
+        copy_rows(matrix, self.matrix, self.ids)
+        return dataclasses.replace(self, ids=self.ids.to(device), matrix=matrix)
+
+
+def copy_rows(target: torch.Tensor, source: torch.Tensor, ids: torch.Tensor) -> None:
+    """`target[ids] = source[ids]` for unique row ids on `source`'s device, moving only those rows:
+    a run of consecutive ids (dense streaming's uncached tail) as one slice, others gathered first."""
+    if ids.numel() == 0:
+        return
+    first, last = int(ids.min()), int(ids.max())
+    if last - first + 1 == ids.numel():  # unique ids spanning exactly their count: a run
+        target[first : last + 1].copy_(source[first : last + 1])
+    else:
+        target.index_copy_(0, ids.to(target.device), source.index_select(0, ids).to(target.device))
 
 
 LayerFetch = dict[str, Fetch]
