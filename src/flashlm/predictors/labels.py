@@ -117,8 +117,9 @@ class LayerSamples:
     the `rows_seen` token rows, while `active_counts` [d_ff] counts every row. `mlp_params` is the
     MLP's parameter count, to size predictors against it; `rule` the label rule.
 
-    The labels are held as bits (`packed_labels`) and unpacked when read: a bool a neuron made them
-    the bulk of a sample (Qwen2.5-1.5B: 8960 bytes of labels against 6144 of float32 input a row).
+    The labels are held as bits (`packed_labels`) and unpacked when read: as one bool per neuron they
+    were most of a sample's memory (Qwen2.5-1.5B: 8960 bytes of labels a row against 6144 of float32
+    input).
     """
 
     def __init__(
@@ -149,6 +150,7 @@ class LayerSamples:
 
     @property
     def labels(self) -> torch.Tensor:
+        """The bool labels [n, d_ff], unpacked (a new tensor at each read)."""
         return unpack_labels(self.packed_labels, self.d_ff)
 
     @property
