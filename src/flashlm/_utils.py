@@ -1,4 +1,5 @@
-"""Small helpers shared across flashlm: byte sizes, the process's peak memory and the cache directory."""
+"""Small helpers shared across flashlm: byte sizes, the process's peak and available memory, the cache
+directory."""
 
 from __future__ import annotations
 
@@ -67,6 +68,19 @@ def peak_rss_bytes() -> int:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kB elsewhere
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the kernel can still give without swapping (Linux's `MemAvailable`), or None where it
+    does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return None
 
 
 def cache_dir() -> Path:

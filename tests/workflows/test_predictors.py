@@ -254,3 +254,24 @@ def test_a_relufied_checkpoint_streams_through_from_pretrained_with_its_threshol
     ids = torch.randint(3, 30, (2, 8), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(streamed(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_labelling_more_tokens_than_memory_holds_is_refused_before_any_is_labelled(
+    tiny_opt, tmp_path, monkeypatch
+):
+    import flashlm.workflows.predictors as workflow
+
+    labelled = []
+    monkeypatch.setattr(workflow, "collect_activations", lambda *args, **kwargs: labelled.append(1))
+    monkeypatch.setattr(workflow, "available_memory_bytes", lambda: 100_000)
+    # 1024 rows x 2 layers x (48 float32 inputs + 80 / 8 label bytes + an 8-byte key) = 430,080 bytes
+    with pytest.raises(ConfigError, match=r"Labelling 1024 tokens would hold 430.08 KB .* fewer tokens"):
+        train_store_predictors(
+            tiny_opt,
+            corpora=SHAKESPEARE,
+            tokens=1024,
+            sequence_length=64,
+            store=tmp_path / "s",
+            progress=False,
+        )
+    assert not labelled and not (tmp_path / "s" / "predictors.safetensors").exists()

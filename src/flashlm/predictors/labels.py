@@ -110,6 +110,12 @@ def unpack_labels(packed: torch.Tensor, d_ff: int) -> torch.Tensor:
     return bits.view(packed.shape[0], packed.shape[1] * 8)[:, :d_ff].bool()
 
 
+def sample_bytes(rows: int, layers: int, d_model: int, d_ff: int, input_dtype: torch.dtype) -> int:
+    """Bytes `collect_activations` holds for `rows` kept rows of each of `layers` layers: an input in
+    `input_dtype`, labels as bits and a sampling key per row."""
+    return rows * layers * (d_model * input_dtype.itemsize + -(-d_ff // 8) + 8)
+
+
 class LayerSamples:
     """One layer's collected rows: MLP inputs, their labels, and exact activation counts over all rows.
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .._utils import available_memory_bytes, format_bytes
 from ..config import FlashConfig
 from ..data.corpora import DEFAULT_TRAIN_CORPORA, corpus_tokens
 from ..data.models import model_path
@@ -20,6 +21,7 @@ from ..methods.base import method_class
 from ..methods.mlp import open_checkpoint_store
 from ..methods.predictor import PredictedNeuronsMLP
 from ..predictors import LabelRule, Predictors, TrainOptions, collect_activations, train_predictors
+from ..predictors.labels import sample_bytes
 from ..store import Store
 
 
@@ -46,7 +48,8 @@ def train_store_predictors(
     0.50 / 0.51 on jargon) and perplexity with predictors 28.5 / 27.2 / 26.0 / 25.5 (91.8 / 78.0 /
     71.8 / 71.6; 24.6 / 63.0 without misses). The labelled rows are held in memory, inputs in the
     predictors' dtype and labels as bits: layers x (2 d_model + d_ff / 8) bytes per token in bf16,
-    40 KB for SmolLM2 and 117 KB for Qwen2.5-1.5B.
+    40 KB for SmolLM2 and 117 KB for Qwen2.5-1.5B; where they would not fit in the memory available
+    once the model is loaded, a `ConfigError` says so before any is labelled.
 
     `rule` says what "active" means (default: exactly nonzero for ReLU-family models, the top 10% by
     magnitude otherwise); `store` the store to save beside (default: the model's, converted if
@@ -92,6 +95,15 @@ def train_store_predictors(
     if options.read_share is None and method is not None:
         options = replace(options, read_share=read_share(method, target))
     dense = load_checkpoint(path, dtype=torch.float32)  # a relufied one with its FATReLU thresholds
+    rows = sum(counts) * sequence_length
+    needed = sample_bytes(rows, target.num_layers, target.d_model, target.d_ff, options.dtype)
+    available = available_memory_bytes()
+    if available is not None and needed > available:
+        raise ConfigError(
+            f"Labelling {rows} tokens would hold {format_bytes(needed)} of rows in memory "
+            f"({format_bytes(needed / rows)} a token), but {format_bytes(available)} is available with "
+            "the model loaded: ask for fewer tokens."
+        )
     samples = collect_activations(
         dense,
         list(torch.cat(windows)),
