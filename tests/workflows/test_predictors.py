@@ -11,6 +11,7 @@ from conftest import save_word_tokenizer
 from transformers import AutoModelForCausalLM
 
 import flashlm
+import flashlm.workflows.predictors as workflow
 from flashlm.errors import ConfigError
 from flashlm.patching import streaming_mlps
 from flashlm.predictors import Predictors, TrainOptions
@@ -259,8 +260,6 @@ def test_a_relufied_checkpoint_streams_through_from_pretrained_with_its_threshol
 def test_labelling_more_tokens_than_memory_holds_is_refused_before_any_is_labelled(
     tiny_opt, tmp_path, monkeypatch
 ):
-    import flashlm.workflows.predictors as workflow
-
     labelled = []
     monkeypatch.setattr(workflow, "collect_activations", lambda *args, **kwargs: labelled.append(1))
     monkeypatch.setattr(workflow, "available_memory_bytes", lambda: 100_000)

@@ -48,10 +48,10 @@ def train_store_predictors(
     0.50 / 0.51 on jargon) and perplexity with predictors 28.5 / 27.2 / 26.0 / 25.5 (91.8 / 78.0 /
     71.8 / 71.6; 24.6 / 63.0 without misses); on relufied Qwen2.5-1.5B (rank 512), 8192 / 32768
     tokens gave precision 0.38 / 0.49 (0.33 / 0.44) and perplexity 31.3 / 29.6 (46.1 / 39.8; 28.6 /
-    35.8 without misses). The labelled rows are held in memory, inputs in the
-    predictors' dtype and labels as bits: layers x (2 d_model + d_ff / 8) bytes per token in bf16,
-    40 KB for SmolLM2 and 117 KB for Qwen2.5-1.5B; where they would not fit in the memory available
-    once the model is loaded, a `ConfigError` says so before any is labelled.
+    35.8 without misses). The labelled rows are held in memory, inputs in the predictors' dtype and
+    labels as bits: layers x (2 d_model + d_ff / 8) bytes per token in bf16, 40 KB for SmolLM2 and
+    117 KB for Qwen2.5-1.5B; where they would not fit in the memory available once the model is
+    loaded, a `ConfigError` says so before any is labelled.
 
     `rule` says what "active" means (default: exactly nonzero for ReLU-family models, the top 10% by
     magnitude otherwise); `store` the store to save beside (default: the model's, converted if
