@@ -59,13 +59,8 @@ def peak_rss_bytes() -> int:
     fork that started this process, so a small measured child of a large parent would report the
     parent's size.
     """
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
+    if (peak := _proc_bytes("/proc/self/status", "VmHWM")) is not None:
+        return peak
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kB elsewhere
 
@@ -73,11 +68,16 @@ def peak_rss_bytes() -> int:
 def available_memory_bytes() -> int | None:
     """Memory the kernel can still give without swapping (Linux's `MemAvailable`), or None where it
     does not say."""
+    return _proc_bytes("/proc/meminfo", "MemAvailable")
+
+
+def _proc_bytes(path: str, field: str) -> int | None:
+    """The `field:` line of a Linux /proc file (a size in kB) in bytes; None where there is none."""
     try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
+        with open(path) as lines:
+            for line in lines:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
