@@ -111,7 +111,8 @@ def main() -> None:
         type=int,
         default=61440,
         help="tokens labelled for the predictors (default: 61440, about all the calibration text of "
-        "debian-reference, the smallest corpus, times three; held in memory, ~2.5 GB for SmolLM2)",
+        "debian-reference, the smallest corpus, times three; held in memory, ~2.5 GB for SmolLM2 and ~7.2 GB "
+        "for Qwen2.5-1.5B)",
     )
     parser.add_argument(
         "--train-corpora",
