@@ -14,7 +14,7 @@ from flashlm.predictors import (
     default_label_rule,
     profile_activations,
 )
-from flashlm.predictors.labels import pack_labels, unpack_labels
+from flashlm.predictors.labels import pack_labels, packed_width, unpack_labels
 
 
 def tokens(batch: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -38,7 +38,7 @@ def test_label_rules() -> None:
 def test_labels_are_held_as_bits_and_read_back_unchanged(d_ff: int) -> None:
     labels = torch.rand(7, d_ff, generator=torch.Generator().manual_seed(d_ff)) > 0.5
     packed = pack_labels(labels)
-    assert packed.dtype == torch.uint8 and packed.shape == (7, -(-d_ff // 8))
+    assert packed.dtype == torch.uint8 and packed.shape == (7, packed_width(d_ff)) == (7, -(-d_ff // 8))
     assert torch.equal(unpack_labels(packed, d_ff), labels)
     assert pack_labels(
         torch.tensor([[True, False, True, True, False, False, False, False, True]])

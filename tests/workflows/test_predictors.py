@@ -118,7 +118,6 @@ def test_each_corpus_gives_an_equal_share_of_the_labelled_windows(tiny_opt, monk
     from transformers import AutoTokenizer
 
     from flashlm.data.corpora import CorpusNotFoundError, corpus_tokens, require
-    from flashlm.workflows import predictors as workflow
 
     try:
         require("jargon")
@@ -160,8 +159,7 @@ def test_each_corpus_gives_an_equal_share_of_the_labelled_windows(tiny_opt, monk
 
 
 def test_window_shares_fill_equally_as_far_as_each_corpus_has() -> None:
-    from flashlm.workflows.predictors import window_shares
-
+    window_shares = workflow.window_shares
     assert window_shares([100, 100, 100], 90) == [30, 30, 30]
     assert window_shares([100, 100], 7) == [3, 4]  # the larger (here the last) takes what rounding leaves
     assert window_shares([10, 100, 50], 90) == [10, 40, 40]

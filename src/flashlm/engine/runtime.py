@@ -58,6 +58,9 @@ class Fetch:
         percent), into a matrix of the staging shape whose other rows are zeros."""
         if self.matrix.device == device:
             return self
+        # A new matrix per fetch, not one persistent device copy per staging buffer: the cache update
+        # queued on the I/O thread reads it later, and the I/O queue, which orders the host buffer's
+        # reuse, does not order this copy (made here, on the decode thread).
         matrix = torch.zeros(self.matrix.shape, dtype=self.matrix.dtype, device=device)
         copy_rows(matrix, self.matrix, self.ids)
         return dataclasses.replace(self, ids=self.ids.to(device), matrix=matrix)

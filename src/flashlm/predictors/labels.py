@@ -95,10 +95,15 @@ def default_label_rule(config: Any, *, density: float = 0.1) -> LabelRule:
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
+def packed_width(d_ff: int) -> int:
+    """Bytes of one row of packed labels: eight neurons a byte, `ceil(d_ff / 8)`."""
+    return -(-d_ff // 8)
+
+
 def pack_labels(labels: torch.Tensor) -> torch.Tensor:
-    """Bool labels [n, d_ff] as bits, eight neurons a byte: uint8 [n, ceil(d_ff / 8)]."""
+    """Bool labels [n, d_ff] as bits: uint8 [n, packed_width(d_ff)], neuron j bit j % 8 of byte j // 8."""
     n, d_ff = labels.shape
-    n_bytes = -(-d_ff // 8)
+    n_bytes = packed_width(d_ff)
     padded = torch.zeros(n, n_bytes * 8, dtype=torch.uint8)
     padded[:, :d_ff] = labels
     return (padded.view(n, n_bytes, 8) << _BIT_SHIFTS).sum(-1, dtype=torch.uint8)
@@ -113,7 +118,7 @@ def unpack_labels(packed: torch.Tensor, d_ff: int) -> torch.Tensor:
 def sample_bytes(rows: int, layers: int, d_model: int, d_ff: int, input_dtype: torch.dtype) -> int:
     """Bytes `collect_activations` holds for `rows` kept rows of each of `layers` layers: an input in
     `input_dtype`, labels as bits and a sampling key per row."""
-    return rows * layers * (d_model * input_dtype.itemsize + -(-d_ff // 8) + 8)
+    return rows * layers * (d_model * input_dtype.itemsize + packed_width(d_ff) + 8)
 
 
 class LayerSamples:

@@ -157,7 +157,7 @@ def evaluate_predictors(predictors: Predictors, samples: Sequence[LayerSamples])
     for s in samples:
         predictor = predictors[s.layer]
         logits = _logits(predictor, s.inputs)
-        qualities.append(_quality(s.layer, logits, s.labels.bool(), predictor.threshold_logit))
+        qualities.append(_quality(s.layer, logits, s.labels, predictor.threshold_logit))
     return qualities
 
 
