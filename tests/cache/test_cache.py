@@ -370,7 +370,7 @@ def test_to_moves_buffers_and_state_dict_skips_them() -> None:
     assert run_step(cache, [1, 2, 5, 6], 1) == (2, 2, 1)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cache_runs_on_cuda() -> None:
     cache = make_cache("window", 40, 10).to("cuda")
     assert cache.policy.last_step.is_cuda and cache.rows.is_cuda

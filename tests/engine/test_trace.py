@@ -175,7 +175,7 @@ def test_load_rejects_files_that_are_not_traces(tmp_path) -> None:
         Trace.load(damaged)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_record_from_cuda_tensors() -> None:
     recorder = TraceRecorder()
     for step in range(20):
