@@ -41,14 +41,9 @@ def train_store_predictors(
     default model) on `tokens` tokens in windows of `sequence_length` from the start of `corpora`'s
     calibration splits, an equal share each where a corpus has it (`window_shares`: a smaller one
     gives all it has, the others the rest); returns them, their per-layer reports in `.reports`.
-    (Trained on Shakespeare alone, relufied SmolLM2's predictors caught 0.93 of the activations on
-    Shakespeare but 0.88-0.90 on jargon, where their misses cost the most perplexity.) More tokens
-    buy precision: on relufied SmolLM2 (rank <= 128, recall target 0.95), 16384 / 30720 / 61440 /
-    122880 tokens gave test-split precision 0.42 / 0.49 / 0.55 / 0.57 on Shakespeare (0.37 / 0.43 /
-    0.50 / 0.51 on jargon) and perplexity with predictors 28.5 / 27.2 / 26.0 / 25.5 (91.8 / 78.0 /
-    71.8 / 71.6; 24.6 / 63.0 without misses); on relufied Qwen2.5-1.5B (rank 512), 8192 / 32768
-    tokens gave precision 0.38 / 0.49 (0.33 / 0.44) and perplexity 31.3 / 29.6 (46.1 / 39.8; 28.6 /
-    35.8 without misses). The labelled rows are held in memory, inputs in the predictors' dtype and
+    More tokens buy precision, and fewer missed activations on corpora other than the first (the
+    measured figures for relufied SmolLM2 and Qwen2.5-1.5B are in the README, "Predictor-based
+    loading"). The labelled rows are held in memory, inputs in the predictors' dtype and
     labels as bits: layers x (2 d_model + d_ff / 8) bytes per token in bf16, 40 KB for SmolLM2 and
     117 KB for Qwen2.5-1.5B; where they would not fit in the memory available once the model is
     loaded, a `ConfigError` says so before any is labelled.
