@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -58,3 +61,27 @@ def test_a_dropped_thread_stops() -> None:
     gc.collect()
     thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+def test_a_dropped_thread_still_busy_at_exit_does_not_abort_the_interpreter() -> None:
+    # The thread is inside a torch operator, GIL released, when the interpreter finalizes: it must have
+    # been joined by then, or re-taking the GIL ends it by an unwind that C++ turns into abort().
+    code = textwrap.dedent(
+        """
+        import torch
+        from flashlm.engine.io_thread import IOThread
+
+        def busy(a):
+            for _ in range(200):
+                a = a @ a
+                a = a / a.norm()
+            return a
+
+        io = IOThread("test-io")
+        io.submit(busy, torch.randn(256, 256))
+        del io
+        """
+    )
+    for _ in range(3):
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr

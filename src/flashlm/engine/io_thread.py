@@ -18,24 +18,31 @@ from typing import Any
 
 def _serve(tasks: queue.SimpleQueue) -> None:
     while (task := tasks.get()) is not None:
-        future, function, args = task
-        try:
-            result = function(*args)
-        except BaseException as exc:  # delivered to whoever waits on the future
-            future.set_exception(exc)
-        else:
-            future.set_result(result)
+        _run(*task)
+        del task  # free the task's tensors now, not when the next task arrives
 
 
-_LIVE: weakref.WeakSet[IOThread] = weakref.WeakSet()
+def _run(future: Future, function: Callable[..., Any], args: tuple) -> None:
+    try:
+        result = function(*args)
+    except BaseException as exc:  # delivered to whoever waits on the future
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+_RUNNING: weakref.WeakKeyDictionary[threading.Thread, queue.SimpleQueue] = weakref.WeakKeyDictionary()
+"""The thread of every IOThread, with its task queue, for as long as the thread runs: also that of an
+IOThread dropped without `shutdown`, which may still be finishing its queued tasks at exit."""
 
 
 @atexit.register
-def _stop_live_threads() -> None:
-    """Stop every thread before the interpreter finalizes: a daemon thread still inside a torch
+def _stop_running_threads() -> None:
+    """Stop and join every thread before the interpreter finalizes: a daemon thread still inside a torch
     operator then would abort the process ("terminate called without an active exception")."""
-    for thread in list(_LIVE):
-        thread.shutdown()
+    for thread, tasks in list(_RUNNING.items()):
+        tasks.put(None)
+        thread.join()
 
 
 class IOThread:
@@ -49,7 +56,7 @@ class IOThread:
         self._thread = threading.Thread(target=_serve, args=(self._tasks,), name=name, daemon=True)
         self._thread.start()
         self._finalizer = weakref.finalize(self, self._tasks.put, None)
-        _LIVE.add(self)
+        _RUNNING[self._thread] = self._tasks
 
     def submit(self, function: Callable[..., Any], *args: Any) -> Future:
         """Run `function(*args)` after every task submitted before it; its result or error lands in the
