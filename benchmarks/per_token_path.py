@@ -11,6 +11,10 @@ the same prompt: a prefill, then greedy decoding, each step timed alone.
 - `dense@50%`, `dip@D`, `dip-ca@D`: dense streaming, DIP and DIP-CA with half the MLP bytes;
   `dense@50%-no-read-ahead` reads each layer when it runs, so its compute runs with no reads
   beside it: what overlapped I/O costs the compute on this machine.
+- `ram+idle` (run when `dense@50%` is): plain transformers in memory, sleeping before each MLP as long
+  as `dense@50%` waited per layer for its reads. dense@50%'s compute also starts after such a wait, and
+  a core that slept runs the next products slower (by 10-30% on the 2-core VM this was written on,
+  even single-threaded), so the line under the table holds that compute against both MLP times.
 
 Per configuration: decode tokens/s (and its ratio to `ram`), prefill seconds (and the ratio to
 `dense@50%`'s), MB read per token, the split of a token's MLP time (selection, cache bookkeeping =
@@ -55,7 +59,8 @@ PROMPT = (
     "combined movable metal type, oil-based ink and a wooden screw press. Explain why this mattered."
 )
 MLP_RANGE = "flashlm_bench::mlp"
-EXACT = ("ram", "dense@resident", "dense@50%", "dense@50%-no-read-ahead")
+IDLE_RAM = "ram+idle"
+EXACT = ("ram", IDLE_RAM, "dense@resident", "dense@50%", "dense@50%-no-read-ahead")
 
 
 def configurations(density: float) -> list[dict[str, Any]]:
@@ -69,6 +74,9 @@ def configurations(density: float) -> list[dict[str, Any]]:
             "name": f"dip-ca@{density}",
             "options": {"memory_budget": "50%", "method": "dip", "density": density, "cache_aware": 0.2},
         },
+        # in RAM, but idle before each MLP as long as dense@50% waited for its reads: the MLP time that
+        # dense@50%'s compute, which also starts after a wait, is compared with in `idle_comparison`
+        {"name": IDLE_RAM, "idle_like": "dense@50%"},
     ]
 
 
@@ -96,7 +104,7 @@ def wait_for(device: str) -> None:
 class MLPTimer:
     """Forward hooks: seconds spent inside MLP modules, and a profiler range around each call."""
 
-    def __init__(self, model, device: str) -> None:
+    def __init__(self, model, device: str, idle_ms_per_token: float = 0.0) -> None:
         import torch
 
         self.seconds = 0.0
@@ -107,8 +115,11 @@ class MLPTimer:
             module.register_forward_hook(self._exit)
         self._torch = torch
         self._device = device
+        self._idle_s = idle_ms_per_token / 1e3 / len(self.modules)
 
     def _enter(self, module, args) -> None:
+        if self._idle_s:
+            time.sleep(self._idle_s)  # untimed: the MLP's clock starts after it
         span = self._torch.profiler.record_function(MLP_RANGE)
         span.__enter__()
         wait_for(self._device)
@@ -162,7 +173,7 @@ def run_child(
         )
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, **placement)
-    timer = MLPTimer(model, device)
+    timer = MLPTimer(model, device, spec.get("idle_ms_per_token", 0.0))
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids.to(device)
     flashlm_model = "options" in spec
     tokens, steps = [], []
@@ -202,6 +213,7 @@ def run_child(
         "decode_tok_s": len(steps) / sum(steps),
         "step_ms": [1e3 * step for step in steps],
         "mlp_ms_per_token": 1e3 * mlp_s / len(steps),
+        "idle_ms_per_token": spec.get("idle_ms_per_token", 0.0),
         "tokens": tokens,
         "ops_per_layer_token": sum(ops.values()) / (layers * profile_tokens),
         "alloc_kb_per_layer_token": allocated / 1e3 / (layers * profile_tokens),
@@ -290,6 +302,19 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def idle_comparison(results: list[dict[str, Any]]) -> str:
+    """dense@50%'s compute over the in-RAM MLP time, plain and after the same idle before each MLP."""
+    found = {r["config"]: r for r in results if "error" not in r}
+    if not {"ram", "dense@50%", IDLE_RAM} <= found.keys():
+        return ""
+    compute, idle = found["dense@50%"]["ms"]["compute"], found[IDLE_RAM]
+    return (
+        f"dense@50% compute {compute:.1f} ms per token: {compute / found['ram']['mlp_ms_per_token']:.2f}x "
+        f"in-RAM transformers' MLP time, {compute / idle['mlp_ms_per_token']:.2f}x its MLP time when idle "
+        f"{idle['idle_ms_per_token']:.1f} ms per token before the MLPs (dense@50%'s I/O wait)\n"
+    )
+
+
 def bundled_model(name: str) -> Path:
     from flashlm.data.models import model_path
 
@@ -366,10 +391,17 @@ def main() -> None:
             for spec in configurations(args.density):
                 if wanted and spec["name"] not in wanted:
                     continue
+                if "idle_like" in spec:
+                    like = next((r for r in results if r["config"] == spec["idle_like"] and "ms" in r), None)
+                    if like is None:
+                        continue
+                    spec = {**spec, "idle_ms_per_token": like["ms"]["io"]}
                 print(f"{name} [{capability}] {spec['name']} ...", file=sys.stderr, flush=True)
                 results.append(run(spec, model_dir, capability, args))
                 # written after each configuration, so that an interrupted run keeps what it measured
-                sections[-1] = f"## {name}, capability {capability}\n\n{table(results)}\n"
+                sections[-1] = (
+                    f"## {name}, capability {capability}\n\n{table(results)}\n\n{idle_comparison(results)}"
+                )
                 (args.out / f"{args.label}.json").write_text(json.dumps(report, indent=1))
                 (args.out / f"{args.label}.md").write_text("\n".join(sections))
             print(sections[-1], flush=True)
