@@ -394,6 +394,10 @@ def main() -> None:
                 if "idle_like" in spec:
                     like = next((r for r in results if r["config"] == spec["idle_like"] and "ms" in r), None)
                     if like is None:
+                        print(
+                            f"{spec['name']}: skipped, needs {spec['idle_like']} measured first",
+                            file=sys.stderr,
+                        )
                         continue
                     spec = {**spec, "idle_ms_per_token": like["ms"]["io"]}
                 print(f"{name} [{capability}] {spec['name']} ...", file=sys.stderr, flush=True)

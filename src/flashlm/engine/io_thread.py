@@ -32,8 +32,8 @@ def _run(future: Future, function: Callable[..., Any], args: tuple) -> None:
 
 
 _RUNNING: weakref.WeakKeyDictionary[threading.Thread, queue.SimpleQueue] = weakref.WeakKeyDictionary()
-"""The thread of every IOThread, with its task queue, for as long as the thread runs: also that of an
-IOThread dropped without `shutdown`, which may still be finishing its queued tasks at exit."""
+"""The thread of every IOThread, with its task queue. A running thread stays here (`threading` holds it)
+after its IOThread was dropped without `shutdown`, while it finishes the tasks queued before."""
 
 
 @atexit.register
