@@ -13,8 +13,8 @@ the same prompt: a prefill, then greedy decoding, each step timed alone.
   beside it: what overlapped I/O costs the compute on this machine.
 - `ram+idle` (run when `dense@50%` is): plain transformers in memory, sleeping before each MLP as long
   as `dense@50%` waited per layer for its reads. dense@50%'s compute also starts after such a wait, and
-  a core that slept runs the next products slower (by 10-30% on the 2-core VM this was written on,
-  even single-threaded), so the line under the table holds that compute against both MLP times.
+  a core that slept runs the next products slower (the README's benchmark section has the figures),
+  so the line under the table holds that compute against both MLP times.
 
 Per configuration: decode tokens/s (and its ratio to `ram`), prefill seconds (and the ratio to
 `dense@50%`'s), MB read per token, the split of a token's MLP time (selection, cache bookkeeping =
