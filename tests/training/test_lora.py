@@ -42,7 +42,7 @@ from flashlm.training.lora import (
     mask_mlps,
     save_adapter,
 )
-from flashlm.training.relufy import lora_targets
+from flashlm.training.relufy import target_linears
 from flashlm.training.trainer import LOG_NAME, RESULT_NAME, read_log
 from flashlm.workflows.fuse import fuse_adapter, fuse_pruned_checkpoint
 
@@ -81,7 +81,7 @@ def _adapted(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)  # peft initializes A at random
     peft_model = get_peft_model(
-        model, LoraConfig(r=4, lora_alpha=8, target_modules=lora_targets(model, "mlp"))
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=target_linears(model, "mlp"))
     )
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

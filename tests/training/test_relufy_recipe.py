@@ -187,6 +187,24 @@ def test_the_recipe_relufies_trains_saves_and_measures(tiny_dir, tmp_path, capsy
     assert len(read_log(out / TRAIN_DIR / LOG_NAME)) == 6
 
 
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_mlp_targets_train_the_mlp_projections_alone(tiny_dir, tmp_path, mode):
+    _require_corpus()
+    out = tmp_path / "out"
+    extra = ("--mode", mode, "--targets", "mlp", "--lora-rank", "4", "--save-dtype", "float32", "--no-eval")
+    assert main(_common(tiny_dir, out, steps=3, extra=extra)) == 0
+    source = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).state_dict()
+    trained = load_relufied(out / MODEL_DIR).state_dict()
+    assert trained.keys() == source.keys()
+    mlp = [name for name in source if ".mlp." in name]
+    assert mlp and len(mlp) < len(source)
+    for name, weight in source.items():
+        if name in mlp:
+            assert not torch.equal(trained[name], weight), f"{name} did not train"
+        else:
+            assert torch.equal(trained[name], weight), f"{name} changed"
+
+
 def test_flashlm_train_relufy_on_the_command_line(tiny_dir, tmp_path, capsys):
     _require_corpus()
     out = tmp_path / "out"

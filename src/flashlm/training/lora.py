@@ -431,7 +431,7 @@ def run(
     from ..methods.mlp import open_checkpoint_store
     from .checkpoints import load_checkpoint
     from .data import SAMPLES_NAME, corpus_sequences, teacher_samples
-    from .relufy import lora_targets
+    from .relufy import target_linears
     from .trainer import ModelTeacher, Trainer, make_accelerator
 
     try:
@@ -473,7 +473,7 @@ def run(
         r=options.rank,
         lora_alpha=options.alpha,
         lora_dropout=options.dropout,
-        target_modules=lora_targets(model, "mlp"),
+        target_modules=target_linears(model, "mlp"),
         bias="none",
     )
     student = get_peft_model(model, lora)

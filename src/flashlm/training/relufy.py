@@ -18,7 +18,8 @@ PowerInfer; Mirzadeh et al.), in steps:
    With `threshold_ramp`, training starts at ReLU and the thresholds grow linearly to theirs over
    that many steps (`activations.threshold_ramp`, ProSparse's progressive sparsity).
 4. Fine-tune with distillation to the dense model's logits (`trainer.Trainer`): LoRA (rank 32 on
-   every decoder linear, as the DIP paper's recovery adapters) or every weight (`mode="full"`).
+   every decoder linear, as the DIP paper's recovery adapters) or every weight (`mode="full"`);
+   `targets="mlp"` narrows either to the MLP's projections.
    The teacher, for LoRA, is the student itself with its adapters disabled and its activations
    swapped back (`dense_activations`): the exact dense model, without a second copy in memory. A
    full fine-tune changes the weights the teacher would share, so it loads a frozen copy instead.
@@ -99,8 +100,10 @@ class RelufyOptions:
 
     `activation="relu"` uses threshold 0 everywhere; `"fatrelu"` uses `threshold` for every layer if
     given, else per-layer thresholds calibrated to `target_zeros`. `teacher=None` picks `"shared"`
-    for LoRA and `"copy"` for a full fine-tune (the only valid one there). `save_dtype="auto"` saves
-    in the source checkpoint's dtype. Evaluation runs in `eval_dtype` for every model compared.
+    for LoRA and `"copy"` for a full fine-tune (the only valid one there). `targets="mlp"` trains the
+    MLP's projections alone (LoRA on them, or their weights), so attention keeps the dense model's
+    use of context. `save_dtype="auto"` saves in the source checkpoint's dtype. Evaluation runs in
+    `eval_dtype` for every model compared.
     """
 
     output_dir: str | os.PathLike
@@ -114,7 +117,7 @@ class RelufyOptions:
     lora_rank: int = 32
     lora_alpha: float = 32.0
     lora_dropout: float = 0.0
-    lora_targets: Literal["all", "mlp"] = "all"
+    targets: Literal["all", "mlp"] = "all"
     teacher: Literal["shared", "copy"] | None = None
     corpora: tuple[str, ...] = DEFAULT_TRAIN_CORPORA
     seq_len: int = 128
@@ -156,8 +159,8 @@ class RelufyOptions:
             raise ConfigError(f"teacher must be 'shared' or 'copy', got {self.teacher!r}.")
         if self.lora_rank < 1:
             raise ConfigError(f"lora_rank must be >= 1, got {self.lora_rank}.")
-        if self.lora_targets not in ("all", "mlp"):
-            raise ConfigError(f"lora_targets must be 'all' or 'mlp', got {self.lora_targets!r}.")
+        if self.targets not in ("all", "mlp"):
+            raise ConfigError(f"targets must be 'all' or 'mlp', got {self.targets!r}.")
         if self.seq_len < 2:
             raise ConfigError(f"seq_len must be >= 2, got {self.seq_len}.")
         if self.teacher_samples < 0:
@@ -326,8 +329,8 @@ def format_report(report: RelufyReport) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def lora_targets(model: nn.Module, which: str) -> list[str]:
-    """Qualified names of the linears LoRA adapts: every decoder linear, or the MLP's projections."""
+def target_linears(model: nn.Module, which: str) -> list[str]:
+    """Qualified names of the linears trained: every decoder linear, or the MLP's projections."""
     from ..arch import decoder_layers, find_mlps, layer_linears, model_type_of, spec_for
 
     if which == "all":
@@ -483,14 +486,18 @@ def run(
             r=options.lora_rank,
             lora_alpha=options.lora_alpha,
             lora_dropout=options.lora_dropout,
-            target_modules=lora_targets(model, options.lora_targets),
+            target_modules=target_linears(model, options.targets),
             bias="none",
         )
         student = get_peft_model(model, lora)
     else:
         student = model
-        for parameter in student.parameters():
-            parameter.requires_grad_(True)
+        if options.targets == "all":
+            student.requires_grad_(True)
+        else:  # the MLP's projections alone: attention, norms and embeddings keep the dense weights
+            student.requires_grad_(False)
+            for name in target_linears(student, "mlp"):
+                student.get_submodule(name).requires_grad_(True)
     if options.teacher_kind == "shared":
         teacher = ModelTeacher(student, (student.disable_adapter, lambda: dense_activations(student)))
     else:
@@ -617,7 +624,11 @@ def build_parser(prog: str = "python -m flashlm.training.relufy") -> argparse.Ar
     p.add_argument("--lora-alpha", type=float, default=32.0)
     p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument(
-        "--lora-targets", choices=("all", "mlp"), default="all", help="every decoder linear, or the MLP's"
+        "--targets",
+        choices=("all", "mlp"),
+        default="all",
+        help="what trains: all (LoRA on every decoder linear, or every weight with --mode full) or mlp "
+        "(LoRA on, or the weights of, the MLP's projections alone)",
     )
     p.add_argument(
         "--teacher",
@@ -649,7 +660,7 @@ def options_from_args(args: argparse.Namespace) -> tuple[RelufyOptions, TrainCon
         lora_rank=args.lora_rank,
         lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout,
-        lora_targets=args.lora_targets,
+        targets=args.targets,
         teacher=args.teacher,
         save_dtype=args.save_dtype,
         eval_dtype=args.eval_dtype,
