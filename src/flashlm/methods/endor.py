@@ -37,7 +37,7 @@ from ..errors import BudgetTooSmallError, StoreMismatchError
 from ..store import ModuleSource, SafetensorsSource
 from ..store.format import update_content_hash
 from ..store.location import open_or_convert
-from ..store.reader import aligned_buffer
+from ..store.reader import aligned_buffer, pin_for_gpu
 from ..store.rowfile import ALIGNMENT
 from .base import DenseOnly, MethodModule, Replacer, Target, register_method
 
@@ -249,7 +249,7 @@ class EndorRuntime(Runtime):
 
 def _pinned(matrix: EndorMatrix) -> EndorMatrix:
     """`matrix` in pinned host memory where a GPU may copy from it asynchronously, else as it is."""
-    if not torch.cuda.is_available():
+    if not pin_for_gpu():
         return matrix
     return EndorMatrix(
         bitmap=matrix.bitmap.pin_memory(), values=matrix.values.pin_memory(), shape=matrix.shape

@@ -91,17 +91,32 @@ DEFAULT_MERGE_GAP_BYTES = break_even_gap_bytes(MEASURED_REQUEST_COST_S, MEASURED
 """Gap below which two runs are read as one (the latency x bandwidth model on the measured disk)."""
 
 
-def aligned_buffer(nbytes: int) -> torch.Tensor:
-    """A page-aligned CPU uint8 tensor of `nbytes` (anonymous memory), as O_DIRECT reads need."""
-    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
+def pin_for_gpu() -> bool:
+    """Whether the host buffers a GPU copies from are pinned (page-locked): wherever CUDA is available.
+    Pinned memory crosses by DMA at the bus's speed, pageable memory through the driver's bounce
+    buffers; pinning costs nothing else, so it does not wait to know where the model will run."""
+    return torch.cuda.is_available()
 
 
-def row_matrix(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+def aligned_buffer(nbytes: int, *, pinned: bool = False) -> torch.Tensor:
+    """A page-aligned CPU uint8 tensor of `nbytes`, as O_DIRECT reads need: anonymous memory, or with
+    `pinned` page-locked memory from torch's pinned allocator. Its storage's bytes are all it took."""
+    if not pinned:
+        return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
+    # the pinned allocator hands out power-of-two blocks: take the whole block, so that the storage
+    # (what a budget counts) is what was taken, with room to start on a page boundary
+    block = torch.empty(1 << (nbytes + ALIGNMENT - 1).bit_length(), dtype=torch.uint8, pin_memory=True)
+    start = -block.data_ptr() % ALIGNMENT
+    return block[start : start + nbytes]
+
+
+def row_matrix(rows: int, width: int, dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
     """A `[rows, width]` matrix laid out like a store file's rows, for `StoreReader.read_in_place`: row 0
     on a page boundary and one spare block after the last row, so an aligned O_DIRECT read of any run of
-    rows can land in place (the partial blocks at its ends fall on neighbouring rows or the spare)."""
+    rows can land in place (the partial blocks at its ends fall on neighbouring rows or the spare).
+    `pinned`: see `aligned_buffer`."""
     nbytes = rows * width * dtype.itemsize
-    return aligned_buffer(nbytes + ALIGNMENT)[:nbytes].view(dtype).view(rows, width)
+    return aligned_buffer(nbytes + ALIGNMENT, pinned=pinned)[:nbytes].view(dtype).view(rows, width)
 
 
 @functools.cache
