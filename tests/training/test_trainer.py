@@ -5,6 +5,9 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,8 +28,10 @@ from flashlm.training.trainer import (
     ResumeMismatchError,
     TrainConfig,
     Trainer,
+    bf16_autocast_pays,
     checkpoint_dirs,
     distillation_loss,
+    make_accelerator,
     read_log,
 )
 
@@ -293,3 +298,31 @@ def test_train_config_rejects_bad_values(tmp_path):
     factors = [cfg.lr_factor(s) for s in range(10)]
     assert factors[0] < factors[1] < factors[2] == 1.0 and factors[-1] > 0.1 - 1e-9
     assert all(a >= b for a, b in itertools.pairwise(factors[2:])) and not math.isnan(sum(factors))
+
+
+@pytest.mark.parametrize(("autocast_ms", "pays"), [(1, True), (20, False)], ids=["faster", "slower"])
+def test_bf16_autocast_pays_where_its_products_are_measured_faster(monkeypatch, autocast_ms, pays):
+    def product(x, weight):  # float32 takes 5 ms; under autocast, what the CPU at hand would take
+        time.sleep((autocast_ms if torch.is_autocast_enabled("cpu") else 5) / 1e3)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", product)
+    assert bf16_autocast_pays(torch.device("cpu"), rows=4, width=4) is pays
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_auto_mixed_precision_trains_in_what_the_measurement_chose(pays):
+    # in a process of its own: Accelerate keeps one mixed precision per process
+    script = (
+        "import flashlm.training.trainer as t\n"
+        f"t.bf16_autocast_pays = lambda device: {pays}\n"
+        "print('used', t.make_accelerator('auto').mixed_precision)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    chosen = "bf16" if pays else "no"
+    assert f"mixed precision auto: {chosen}" in done.stdout and f"used {chosen}" in done.stdout
+
+
+def test_an_unknown_mixed_precision_is_refused_with_the_choices():
+    with pytest.raises(ConfigError, match="no, bf16, auto"):
+        make_accelerator("fp16")

@@ -494,7 +494,11 @@ def run(
     losses = result.losses
     report = LoraReport(
         model=str(path),
-        options={**asdict(options), "train": train.trajectory()},
+        options={
+            **asdict(options),
+            "mixed_precision_used": accelerator.mixed_precision,
+            "train": train.trajectory(),
+        },
         store=str(store.path),
         adapter=str(out / ADAPTER_DIR),
         fused=None,

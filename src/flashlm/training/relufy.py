@@ -122,7 +122,7 @@ class RelufyOptions:
     corpora: tuple[str, ...] = DEFAULT_TRAIN_CORPORA
     seq_len: int = 128
     teacher_samples: int = 0
-    mixed_precision: Literal["no", "bf16"] = "no"
+    mixed_precision: Literal["no", "bf16", "auto"] = "no"
     save_dtype: str = "auto"
     evaluate: bool = True
     eval_corpora: tuple[str, ...] = DEFAULT_EVAL_CORPORA
@@ -532,7 +532,11 @@ def run(
         model=str(path),
         output_dir=str(out),
         saved=str(out / MODEL_DIR),
-        options={**asdict(options), "train": train.trajectory()},
+        options={
+            **asdict(options),
+            "mixed_precision_used": accelerator.mixed_precision,
+            "train": train.trajectory(),
+        },
         thresholds=thresholds,
         steps=train.steps,
         start_step=result.start_step,

@@ -309,7 +309,12 @@ def add_trainer_arguments(parser: argparse.ArgumentParser, *, steps: int, lr_def
     )
     p.add_argument("--keep-checkpoints", type=int, default=2)
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
-    p.add_argument("--mixed-precision", choices=("no", "bf16"), default="no", help="autocast (default: no)")
+    p.add_argument(
+        "--mixed-precision",
+        choices=MIXED_PRECISIONS,
+        default="no",
+        help="autocast (default: no); auto: bf16 where it runs faster than float32 here",
+    )
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
@@ -431,8 +436,38 @@ def _checksum(parameters: list[tuple[str, torch.Tensor]]) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
+MIXED_PRECISIONS = ("no", "bf16", "auto")
+BF16_PAYS_AT = 1.25
+"""`mixed_precision="auto"` trains under bf16 autocast where its products run at least this many times
+faster than float32's: a CPU without bf16 instructions converts every operand and runs them slower
+(on a 2-core Intel Xeon with AVX-512F alone, a relufy step took 14 s under bf16 and 4 s without)."""
+
+
+def bf16_autocast_pays(device: torch.device, *, rows: int = 512, width: int = 1024) -> bool:
+    """Whether bf16 autocast speeds training up on `device`: on CUDA, whether the GPU supports bf16;
+    on the CPU, measured, a `[rows, width] x [width, 4 width]` product in float32 against the same
+    under autocast (best of 3 after a warm-up each)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, width, generator=generator)
+    weight = torch.randn(4 * width, width, generator=generator)
+
+    def best_seconds(autocast: bool) -> float:
+        times = []
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            for _ in range(4):
+                started = time.perf_counter()
+                F.linear(x, weight)
+                times.append(time.perf_counter() - started)
+        return min(times[1:])
+
+    return best_seconds(False) >= BF16_PAYS_AT * best_seconds(True)
+
+
 def make_accelerator(mixed_precision: str = "no") -> Any:
-    """The `accelerate.Accelerator` a training run uses (`mixed_precision`: `"no"` or `"bf16"`).
+    """The `accelerate.Accelerator` a training run uses (`mixed_precision`: `"no"`, `"bf16"`, or
+    `"auto"`: bf16 where `bf16_autocast_pays`, decided on the main process for every process).
 
     Created once per process; under `accelerate launch` it joins the launched process group. On a
     machine without CUDA, a run launched on several processes (`WORLD_SIZE > 1`) is a CPU run over
@@ -440,10 +475,13 @@ def make_accelerator(mixed_precision: str = "no") -> Any:
     `accelerate launch --cpu` itself starts one process unless MPI is set up, so the processes are
     started with `accelerate launch --multi_gpu --num_processes N` (torchrun) and this says CPU.
     """
-    from accelerate import Accelerator
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import broadcast_object_list
 
-    if mixed_precision not in ("no", "bf16"):
-        raise ConfigError(f"mixed_precision must be 'no' or 'bf16', got {mixed_precision!r}.")
+    if mixed_precision not in MIXED_PRECISIONS:
+        raise ConfigError(
+            f"mixed_precision must be one of {', '.join(MIXED_PRECISIONS)}, got {mixed_precision!r}."
+        )
     several = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if (
         not several
@@ -456,7 +494,15 @@ def make_accelerator(mixed_precision: str = "no") -> Any:
             "`accelerate launch --multi_gpu --num_processes N` on this machine without CUDA.",
             stacklevel=2,
         )
-    return Accelerator(mixed_precision=mixed_precision, cpu=several and not torch.cuda.is_available())
+    cpu = several and not torch.cuda.is_available()
+    if mixed_precision == "auto":
+        state = PartialState(cpu=cpu)
+        pays = [bf16_autocast_pays(state.device) if state.is_main_process else None]
+        broadcast_object_list(pays)  # every process trains in the same precision
+        mixed_precision = "bf16" if pays[0] else "no"
+        if state.is_main_process:
+            print(f"mixed precision auto: {mixed_precision}")
+    return Accelerator(mixed_precision=mixed_precision, cpu=cpu)
 
 
 class Trainer:
