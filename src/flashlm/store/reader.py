@@ -94,7 +94,8 @@ DEFAULT_MERGE_GAP_BYTES = break_even_gap_bytes(MEASURED_REQUEST_COST_S, MEASURED
 def pin_for_gpu() -> bool:
     """Whether the host buffers a GPU copies from are pinned (page-locked): wherever CUDA is available.
     Pinned memory crosses by DMA at the bus's speed, pageable memory through the driver's bounce
-    buffers; pinning costs nothing else, so it does not wait to know where the model will run."""
+    buffers. Pinning costs only the allocator's rounding to power-of-two blocks (which the budget
+    counts), so it does not wait to know where the model will run."""
     return torch.cuda.is_available()
 
 
