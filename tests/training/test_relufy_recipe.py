@@ -318,6 +318,7 @@ def test_two_processes_under_accelerate_launch(tiny_dir, tmp_path, mode):
         "flashlm.training.relufy",
     ]
     extra = ("--mode", mode, "--ce-weight", "1", "--no-eval", "--steps", "8", "--lora-rank", "8")
+    extra += ("--mixed-precision", "auto")  # measured on the main process, one choice for both
     done = _run([*launch, *_common(tiny_dir, out, extra=extra)])
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / TRAIN_DIR / RESULT_NAME).read_text())
@@ -327,3 +328,6 @@ def test_two_processes_under_accelerate_launch(tiny_dir, tmp_path, mode):
     assert len(losses) == 8 and sum(losses[-2:]) / 2 < 0.8 * losses[0], losses
     assert result["tokens_per_step"] == 2 * 4 * 32  # two processes of batch 4 per step
     assert "reload exact True" in done.stdout and done.stdout.count("reload exact") == 1  # main process only
+    assert done.stdout.count("mixed precision auto:") == 1
+    used = json.loads((out / REPORT_NAME).read_text())["options"]["mixed_precision_used"]
+    assert f"mixed precision auto: {used}" in done.stdout
