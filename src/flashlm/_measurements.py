@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
+
+import torch
 
 from ._utils import cache_dir
 from .errors import CacheDirError
@@ -58,3 +62,30 @@ def remember(name: str, key: str, entry: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(known, indent=1))
     os.replace(tmp, path)  # another process's concurrent write may win: both hold valid measurements
+
+
+def machine_key() -> str:
+    """What every measurement depends on: torch and the CPU kernels it may use, and the CPU."""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    isa = (os.environ.get(name, "") for name in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"))
+    return "|".join([torch.__version__, torch.backends.cpu.get_cpu_capability(), *isa, cpu])
+
+
+def median_seconds(
+    run: Callable[[], object], repeats: int = 7, before: Callable[[], None] | None = None
+) -> float:
+    """Median seconds of `run` after one warm-up call; `before` runs untimed before each timed call."""
+    run()
+    samples = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        started = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - started)
+    return sorted(samples)[len(samples) // 2]

@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -301,11 +302,16 @@ def test_train_config_rejects_bad_values(tmp_path):
 
 
 @pytest.mark.parametrize(("autocast_ms", "pays"), [(1, True), (20, False)], ids=["faster", "slower"])
-def test_bf16_autocast_pays_where_its_products_are_measured_faster(monkeypatch, autocast_ms, pays):
-    def product(x, weight):  # float32 takes 5 ms; under autocast, what the CPU at hand would take
-        time.sleep((autocast_ms if torch.is_autocast_enabled("cpu") else 5) / 1e3)
+def test_bf16_autocast_pays_where_its_products_are_measured_faster(monkeypatch, tmp_path, autocast_ms, pays):
+    monkeypatch.setenv("FLASHLM_CACHE", str(tmp_path))  # nothing remembered yet
 
-    monkeypatch.setattr(torch.nn.functional, "linear", product)
+    def product(x, weight, sleep_ms):  # float32 takes 5 ms; under autocast, what the CPU at hand would
+        time.sleep((sleep_ms if torch.is_autocast_enabled("cpu") else 5) / 1e3)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", partial(product, sleep_ms=autocast_ms))
+    assert bf16_autocast_pays(torch.device("cpu"), rows=4, width=4) is pays
+    # remembered for this machine: a resumed run trains in the precision it started in
+    monkeypatch.setattr(torch.nn.functional, "linear", partial(product, sleep_ms=21 - autocast_ms))
     assert bf16_autocast_pays(torch.device("cpu"), rows=4, width=4) is pays
 
 

@@ -31,15 +31,12 @@ import ctypes
 import dataclasses
 import functools
 import math
-import os
-import platform
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from .._measurements import recall, remember
+from .._measurements import machine_key, median_seconds, recall, remember
 from .._native import load_library, source_digest, typed_functions
 
 SOURCE = Path(__file__).with_name("_columns.c")
@@ -321,18 +318,10 @@ load could differ between runs, and with it a sparse method's tokens."""
 
 
 def _machine_key(dtype: torch.dtype, width: int, threads: int, density: float) -> str:
-    """What a measurement depends on: torch and its kernels, the CPU, the problem."""
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    isa = (os.environ.get(name, "") for name in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"))
-    # a changed kernel is measured again
+    """What a measurement depends on: the machine, the native kernel (a changed one is measured
+    again), the problem."""
     native = f"native-{source_digest(SOURCE)[:12]}" if _native_functions() is not None else "no-native"
-    machine = [torch.__version__, torch.backends.cpu.get_cpu_capability(), *isa, cpu, native]
-    return "|".join([*machine, str(dtype), str(width), str(threads), f"{density:.2f}"])
+    return "|".join([machine_key(), native, str(dtype), str(width), str(threads), f"{density:.2f}"])
 
 
 @functools.cache
@@ -371,12 +360,4 @@ def _sample_rows(width: int) -> int:
 
 def _time(run: Callable[[], None], repeats: int = 7, cold: torch.Tensor | None = None) -> float:
     """Median seconds of `run` after one warm-up call; `cold` is evicted from the CPU caches first."""
-    run()
-    samples = []
-    for _ in range(repeats):
-        if cold is not None:
-            _flush(cold)
-        started = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - started)
-    return sorted(samples)[len(samples) // 2]
+    return median_seconds(run, repeats, None if cold is None else functools.partial(_flush, cold))

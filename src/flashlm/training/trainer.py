@@ -43,6 +43,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._measurements import machine_key, median_seconds, recall, remember
 from ..data.corpora import DEFAULT_TRAIN_CORPORA
 from ..errors import ConfigError, FlashLMError
 from .data import SequenceSampler, fingerprint
@@ -443,26 +445,30 @@ faster than float32's: a CPU without bf16 instructions converts every operand an
 (on a 2-core Intel Xeon with AVX-512F alone, a relufy step took 14 s under bf16 and 4 s without)."""
 
 
+BF16_MEASUREMENTS = "bf16_autocast.json"
+"""File in flashlm's cache that remembers each machine's `bf16_autocast_pays` answer on the CPU, so that
+a resumed run trains in the precision it started in."""
+
+
 def bf16_autocast_pays(device: torch.device, *, rows: int = 512, width: int = 1024) -> bool:
     """Whether bf16 autocast speeds training up on `device`: on CUDA, whether the GPU supports bf16;
-    on the CPU, measured, a `[rows, width] x [width, 4 width]` product in float32 against the same
-    under autocast (best of 3 after a warm-up each)."""
+    on the CPU, a `[rows, width] x [width, 4 width]` product timed in float32 and under autocast
+    (median of 3 after a warm-up each), once per machine (`BF16_MEASUREMENTS`)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
+    key = f"{machine_key()}|{torch.get_num_threads()}|{rows}x{width}"
+    if (known := recall(BF16_MEASUREMENTS, key, dict)) is not None:
+        return bool(known["pays"])
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(rows, width, generator=generator)
     weight = torch.randn(4 * width, width, generator=generator)
-
-    def best_seconds(autocast: bool) -> float:
-        times = []
+    seconds = {}
+    for autocast in (False, True):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            for _ in range(4):
-                started = time.perf_counter()
-                F.linear(x, weight)
-                times.append(time.perf_counter() - started)
-        return min(times[1:])
-
-    return best_seconds(False) >= BF16_PAYS_AT * best_seconds(True)
+            seconds[autocast] = median_seconds(partial(F.linear, x, weight), repeats=3)
+    pays = seconds[False] >= BF16_PAYS_AT * seconds[True]
+    remember(BF16_MEASUREMENTS, key, {"pays": pays, "float32_s": seconds[False], "bf16_s": seconds[True]})
+    return pays
 
 
 def make_accelerator(mixed_precision: str = "no") -> Any:
