@@ -27,7 +27,7 @@ from functools import partial
 
 import torch
 
-from flashlm.engine.runtime import Fetch, copy_rows, crosses_whole
+from flashlm.engine.runtime import Fetch, copy_rows, crosses_whole, run_bounds
 from flashlm.store.reader import row_matrix
 
 SHARES = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0)
@@ -36,7 +36,7 @@ SHARES = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0)
 def rows_alone(ids: torch.Tensor, staging: torch.Tensor, device: torch.device) -> torch.Tensor:
     """What `Fetch.to` does where only the rows read cross."""
     matrix = torch.zeros(staging.shape, dtype=staging.dtype, device=device)
-    copy_rows(matrix, staging, ids)
+    copy_rows(matrix, staging, ids, run_bounds(ids))
     return matrix
 
 
@@ -98,7 +98,7 @@ def main() -> None:
                 moved = library(ids, staging[True], device)
                 if not torch.equal(moved.matrix[ids.to(device)].cpu(), staging[True][ids]):
                     raise SystemExit("Fetch.to moved other rows than the ones read.")
-                sent = "whole" if crosses_whole(staging[True], ids) else "rows"
+                sent = "whole" if crosses_whole(staging[True], ids, run_bounds(ids)) else "rows"
                 print(
                     f"| {share:.0%} ({count}) | {layout} | {alone[False]:.2f} | {alone[True]:.2f} "
                     f"| {whole[True]:.2f} | {chosen:.2f} | {sent} |"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashlm.engine.runtime import WHOLE_COPY_BYTES, Fetch, copy_rows, crosses_whole
+from flashlm.engine.runtime import WHOLE_COPY_BYTES, Fetch, copy_rows, crosses_whole, run_bounds
 from flashlm.store import ALIGNMENT
 from flashlm.store.reader import row_matrix
 
@@ -18,7 +18,8 @@ from flashlm.store.reader import row_matrix
 def test_copy_rows_moves_exactly_the_rows_named(ids: list[int]) -> None:
     source = torch.arange(8 * 3, dtype=torch.bfloat16).view(8, 3) + 1
     target = torch.zeros_like(source)
-    copy_rows(target, source, torch.tensor(ids, dtype=torch.int64))
+    ids_tensor = torch.tensor(ids, dtype=torch.int64)
+    copy_rows(target, source, ids_tensor, run_bounds(ids_tensor))
     named = torch.zeros(8, dtype=torch.bool)
     named[ids] = True
     assert torch.equal(target[named], source[named])
@@ -44,8 +45,8 @@ def test_a_fetch_on_its_own_device_is_itself() -> None:
 def test_rows_cross_whole_only_where_one_copy_of_the_matrix_is_cheaper(rows, ids, whole) -> None:
     matrix = torch.empty(rows, 1024, dtype=torch.bfloat16)
     assert (matrix.nbytes <= WHOLE_COPY_BYTES) == (rows == 16)
-    assert crosses_whole(matrix, torch.tensor(ids)) == whole
-    assert not crosses_whole(matrix, torch.tensor([], dtype=torch.int64))
+    assert crosses_whole(matrix, torch.tensor(ids), run_bounds(torch.tensor(ids))) == whole
+    assert not crosses_whole(matrix, torch.tensor([], dtype=torch.int64), None)
 
 
 @pytest.mark.gpu
