@@ -432,7 +432,7 @@ def run(
     from .checkpoints import load_checkpoint
     from .data import SAMPLES_NAME, corpus_sequences, teacher_samples
     from .relufy import target_linears
-    from .trainer import ModelTeacher, Trainer, make_accelerator
+    from .trainer import ModelTeacher, Trainer, make_accelerator, report_options
 
     try:
         from peft import LoraConfig, get_peft_model
@@ -494,11 +494,7 @@ def run(
     losses = result.losses
     report = LoraReport(
         model=str(path),
-        options={
-            **asdict(options),
-            "mixed_precision_used": accelerator.mixed_precision,
-            "train": train.trajectory(),
-        },
+        options=report_options(options, accelerator, train),
         store=str(store.path),
         adapter=str(out / ADAPTER_DIR),
         fused=None,

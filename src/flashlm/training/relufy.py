@@ -401,7 +401,7 @@ def run(
 
     from ..data.models import model_path
     from .data import SAMPLES_NAME, corpus_sequences, teacher_samples
-    from .trainer import ModelTeacher, Trainer, make_accelerator
+    from .trainer import ModelTeacher, Trainer, make_accelerator, report_options
 
     started = time.perf_counter()
     out = Path(options.output_dir)
@@ -532,11 +532,7 @@ def run(
         model=str(path),
         output_dir=str(out),
         saved=str(out / MODEL_DIR),
-        options={
-            **asdict(options),
-            "mixed_precision_used": accelerator.mixed_precision,
-            "train": train.trajectory(),
-        },
+        options=report_options(options, accelerator, train),
         thresholds=thresholds,
         steps=train.steps,
         start_step=result.start_step,

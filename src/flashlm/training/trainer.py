@@ -511,6 +511,16 @@ def make_accelerator(mixed_precision: str = "no") -> Any:
     return Accelerator(mixed_precision=mixed_precision, cpu=cpu)
 
 
+def report_options(options: Any, accelerator: Any, train: TrainConfig) -> dict[str, Any]:
+    """A recipe report's `options`: the recipe's (a dataclass), the precision the run used (which
+    `mixed_precision="auto"` chose), and the trainer's settings."""
+    return {
+        **asdict(options),
+        "mixed_precision_used": accelerator.mixed_precision,
+        "train": train.trajectory(),
+    }
+
+
 class Trainer:
     """Distils `teacher` into the trainable parameters of `model` on the rows of `sequences`.
 
