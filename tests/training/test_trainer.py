@@ -32,6 +32,7 @@ from flashlm.training.trainer import (
     bf16_autocast_pays,
     checkpoint_dirs,
     distillation_loss,
+    hidden_state_loss,
     make_accelerator,
     read_log,
 )
@@ -154,6 +155,27 @@ def test_teacher_samples_on_another_device_come_back_to_the_cpu(device, tmp_path
     assert next(teacher.parameters()).device.type == "cpu"  # the recipe's model stays where it was
 
 
+def test_hidden_state_loss_is_each_tokens_relative_error():
+    generator = torch.Generator().manual_seed(0)
+    teacher = [torch.randn(2, 5, 8, generator=generator) for _ in range(3)]
+    assert hidden_state_loss([t.clone() for t in teacher], teacher).item() == 0.0
+    # every token off by 10% of its own size, whatever that size: 0.01, also where one token is 1000x larger
+    teacher[0][0, 0] *= 1000.0
+    student = [t * 1.1 for t in teacher]
+    assert hidden_state_loss(student, teacher).item() == pytest.approx(0.01, rel=1e-4)
+    # one layer of three completely wrong (the zero vector): that layer's error is 1, the mean a third
+    student = [teacher[0], torch.zeros_like(teacher[1]), teacher[2]]
+    assert hidden_state_loss(student, teacher).item() == pytest.approx(1 / 3, rel=1e-5)
+    with pytest.raises(ConfigError, match="same layers"):
+        hidden_state_loss(student[:2], teacher)
+    logits = torch.randn(2, 5, 16, generator=generator)
+    loss, parts = distillation_loss(
+        logits, logits, hidden_weight=3.0, student_hidden=student, teacher_hidden=teacher
+    )
+    assert parts["kl"] == pytest.approx(0.0, abs=1e-6) and parts["hidden"] == pytest.approx(1 / 3, rel=1e-5)
+    assert loss.item() == pytest.approx(1.0, rel=1e-5)
+
+
 # ---- training ---------------------------------------------------------------------------------------
 
 
@@ -204,6 +226,33 @@ def _setup(kind: str, dropout: float) -> tuple[nn.Module, ModelTeacher]:
         if "lora_B" in name:
             torch.nn.init.normal_(parameter, std=0.02)
     return lora, ModelTeacher(lora, (lora.disable_adapter, lambda: dense_activations(lora)))
+
+
+def test_hidden_weight_pulls_every_layer_towards_the_teacher(tmp_path):
+    student, teacher = _student(seed=1), ModelTeacher(_student(seed=0).requires_grad_(False))
+    sequences = _sequences()
+
+    def layer_error() -> float:
+        with torch.no_grad():
+            out = student(input_ids=sequences[:8], output_hidden_states=True)
+            return hidden_state_loss(
+                out.hidden_states[1:], teacher(sequences[:8], hidden_states=True)[1]
+            ).item()
+
+    before = layer_error()
+    config = _config(tmp_path, steps=30, batch_size=8, lr=3e-3, hidden_weight=1.0, checkpoint_every=0)
+    result = Trainer(student, sequences, config, teacher=teacher).train()
+    hidden = [r["hidden"] for r in result.losses]
+    assert all(r["loss"] == pytest.approx(r["kl"] + r["hidden"], rel=1e-4) for r in result.losses)
+    assert sum(hidden[-5:]) / 5 < 0.5 * hidden[0], hidden
+    assert layer_error() < 0.5 * before
+    # without the term the log says so, and a teacher without hidden states is refused
+    logits_only = Trainer(student, sequences, _config(tmp_path / "kl", steps=1), teacher=teacher).train()
+    assert logits_only.losses[0]["hidden"] is None
+    with pytest.raises(ConfigError, match="ModelTeacher"):
+        Trainer(student, sequences, config, teacher=lambda ids: teacher(ids))
+    with pytest.raises(ConfigError, match="hidden_weight"):
+        _config(tmp_path, hidden_weight=-1.0)
 
 
 def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:

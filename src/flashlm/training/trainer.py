@@ -11,6 +11,9 @@ What it does, and why each piece is there:
   the next token. The teacher is whatever callable returns logits for a batch (`ModelTeacher`): a
   frozen copy of the dense model, or the student itself with its changes switched off (LoRA adapters
   disabled and the dense activation swapped back), which saves a second copy of the weights.
+  With `hidden_weight`, every decoder layer's output is also pulled towards the teacher's
+  (`hidden_state_loss`, TinyBERT's intermediate-layer distillation), so that each layer's residual
+  stream, which later layers' attention reads, stays close, and not only the last layer's logits.
 - **Deterministic data** (`SequenceSampler`): the rows of each step are a pure function of the step
   and the seed, so resuming needs no data-loader state.
 - **Checkpoints that survive a kill**: every `checkpoint_every` steps, `Accelerator.save_state`
@@ -21,9 +24,9 @@ What it does, and why each piece is there:
   the trajectory). A run started again with the same arguments resumes from the newest complete
   checkpoint and produces the same losses as a run that was never interrupted; different arguments
   raise `ResumeMismatchError` rather than silently continuing another run.
-- **A per-step JSON log** (`log.jsonl`, one object per optimizer step: loss, its KL and CE parts, the
-  learning rate, the gradient norm, tokens, seconds). On resume the steps after the checkpoint, which
-  will be recomputed, are dropped from it.
+- **A per-step JSON log** (`log.jsonl`, one object per optimizer step: loss, its KL, CE and hidden
+  parts, the learning rate, the gradient norm, tokens, seconds). On resume the steps after the
+  checkpoint, which will be recomputed, are dropped from it.
 
 Exceptions defined here (subclasses of `flashlm.errors.FlashLMError`): `TrainingError`,
 `ResumeMismatchError`.
@@ -82,6 +85,24 @@ Teacher = Callable[[torch.Tensor], torch.Tensor]
 # --------------------------------------------------------------------------------------------------
 
 
+def hidden_state_loss(student: Sequence[torch.Tensor], teacher: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Mean over layers and tokens of `‖s − t‖² / ‖t‖²`, each token's relative squared error.
+
+    Relative per token, because a few tokens (the first, attention's sink) carry hidden states
+    hundreds of times larger than the rest: a plain mean squared error would match those alone.
+    """
+    if len(student) != len(teacher):
+        raise ConfigError(
+            f"The student has {len(student)} hidden states and the teacher {len(teacher)}: hidden-state "
+            "matching needs models with the same layers."
+        )
+    errors = [
+        ((s.float() - t.float()).pow(2).sum(-1) / t.float().pow(2).sum(-1).clamp_min(1e-6)).mean()
+        for s, t in zip(student, teacher, strict=True)
+    ]
+    return torch.stack(errors).mean()
+
+
 def distillation_loss(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor | None,
@@ -89,6 +110,9 @@ def distillation_loss(
     *,
     temperature: float = 1.0,
     ce_weight: float = 0.0,
+    hidden_weight: float = 0.0,
+    student_hidden: Sequence[torch.Tensor] = (),
+    teacher_hidden: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """`T² · KL(p_teacher ‖ p_student)` at temperature `T`, mean over tokens, `+ ce_weight · CE`.
 
@@ -96,8 +120,9 @@ def distillation_loss(
     dimension, in float32). The `T²` factor keeps the gradient's scale independent of `T` (Hinton
     et al.), so a temperature can be changed without retuning the learning rate. The cross-entropy
     term needs `input_ids` (position i predicts token i+1); with `teacher_logits=None` the loss is
-    the cross-entropy alone. Returns the loss and its parts (`kl`, `ce`) as floats for the log. The
-    KL is exactly 0 when the student's logits equal the teacher's.
+    the cross-entropy alone. `hidden_weight > 0` adds `hidden_weight · hidden_state_loss` over the
+    decoder layers' outputs. Returns the loss and its parts (`kl`, `ce`, `hidden`) as floats for the
+    log. The KL is exactly 0 when the student's logits equal the teacher's.
     """
     if temperature <= 0:
         raise ConfigError(f"The distillation temperature must be positive, got {temperature}.")
@@ -125,11 +150,16 @@ def distillation_loss(
         )
         loss = loss + (ce_weight if teacher_logits is not None else 1.0) * ce
         parts["ce"] = ce.item()
+    if hidden_weight > 0:
+        hidden = hidden_state_loss(student_hidden, teacher_hidden)
+        loss = loss + hidden_weight * hidden
+        parts["hidden"] = hidden.item()
     return loss, parts
 
 
 class ModelTeacher:
-    """Teacher logits from `model`, in eval mode and without gradients, inside `contexts`.
+    """Teacher logits from `model`, in eval mode and without gradients, inside `contexts`; with
+    `hidden_states=True`, the logits and the decoder layers' outputs (`hidden_weight`'s targets).
 
     Each item of `contexts` makes a context manager that turns the model into its teacher form for
     the forward (and back after it). For a LoRA student whose base is the dense model,
@@ -143,16 +173,25 @@ class ModelTeacher:
         self.model = model
         self.contexts = tuple(contexts)
 
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, *, hidden_states: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         was_training = self.model.training
         with torch.no_grad(), contextlib.ExitStack() as stack:
             for make in self.contexts:
                 stack.enter_context(make())
             self.model.eval()
             try:
-                return self.model(input_ids=input_ids, use_cache=False).logits
+                out = self.model(input_ids=input_ids, use_cache=False, output_hidden_states=hidden_states)
             finally:
                 self.model.train(was_training)
+        return (out.logits, layer_outputs(out)) if hidden_states else out.logits
+
+
+def layer_outputs(output: Any) -> tuple[torch.Tensor, ...]:
+    """The decoder layers' outputs of a forward run with `output_hidden_states=True` (the embeddings,
+    its first hidden state, left out)."""
+    return tuple(output.hidden_states[1:])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -171,6 +210,7 @@ class TrainConfig:
     `batch_size * grad_accum * num_processes` sequences. The learning rate warms up linearly over
     `warmup_steps`, then stays (`schedule="constant"`) or follows a cosine down to
     `min_lr_ratio * lr` at `steps` (`"cosine"`). `checkpoint_every=0` saves only at the end.
+    `hidden_weight` weighs the hidden-state term of the loss (`distillation_loss`; 0: logits only).
     """
 
     output_dir: str | os.PathLike
@@ -186,6 +226,7 @@ class TrainConfig:
     max_grad_norm: float | None = 1.0
     temperature: float = 1.0
     ce_weight: float = 0.0
+    hidden_weight: float = 0.0
     seed: int = 0
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
@@ -215,6 +256,8 @@ class TrainConfig:
             raise ConfigError(f"The distillation temperature must be positive, got {self.temperature}.")
         if self.ce_weight < 0:
             raise ConfigError(f"ce_weight must be >= 0, got {self.ce_weight}.")
+        if not self.hidden_weight >= 0:
+            raise ConfigError(f"hidden_weight must be >= 0, got {self.hidden_weight}.")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}.")
 
@@ -305,6 +348,12 @@ def add_trainer_arguments(parser: argparse.ArgumentParser, *, steps: int, lr_def
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature (default: 1)")
     p.add_argument("--ce-weight", type=float, default=0.0, help="weight of the next-token cross-entropy term")
+    p.add_argument(
+        "--hidden-weight",
+        type=float,
+        default=0.0,
+        help="weight of the term matching every layer's hidden states to the teacher's (default: 0)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--checkpoint-every", type=int, default=100, help="steps between checkpoints (0: at the end only)"
@@ -336,6 +385,7 @@ def train_config_from_args(
         max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None,
         temperature=args.temperature,
         ce_weight=args.ce_weight,
+        hidden_weight=args.hidden_weight,
         seed=args.seed,
         checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints,
@@ -547,6 +597,11 @@ class Trainer:
                 "Nothing to train on: without a teacher the loss is the cross-entropy; pass a teacher "
                 "to distil, or set ce_weight > 0."
             )
+        if config.hidden_weight > 0 and not isinstance(teacher, ModelTeacher):
+            raise ConfigError(
+                "hidden_weight > 0 matches the student's hidden states to a teacher model's: pass a "
+                "ModelTeacher (a callable that returns logits alone has no hidden states)."
+            )
         self.config = config
         self.sequences = sequences
         self.teacher = teacher
@@ -740,28 +795,36 @@ class Trainer:
                 step_started = time.perf_counter()
                 if before_step is not None:
                     before_step(step)
-                sums = torch.zeros(3, dtype=torch.float64)  # loss, kl, ce
+                sums = torch.zeros(4, dtype=torch.float64)  # loss, kl, ce, hidden
+                matching = cfg.hidden_weight > 0
                 for micro in range(cfg.grad_accum):
                     input_ids = self._batch(sampler, step, micro)
-                    teacher_logits = None
+                    teacher_logits, teacher_hidden = None, ()
                     if self.teacher is not None:
                         with acc.autocast():
-                            teacher_logits = self.teacher(input_ids)
+                            if matching:
+                                teacher_logits, teacher_hidden = self.teacher(input_ids, hidden_states=True)
+                            else:
+                                teacher_logits = self.teacher(input_ids)
                     sync = micro == cfg.grad_accum - 1
                     with contextlib.nullcontext() if sync else acc.no_sync(prepared), acc.autocast():
-                        logits = prepared(input_ids=input_ids, use_cache=False).logits
+                        out = prepared(input_ids=input_ids, use_cache=False, output_hidden_states=matching)
                         loss, parts = distillation_loss(
-                            logits,
+                            out.logits,
                             teacher_logits,
                             input_ids,
                             temperature=cfg.temperature,
                             ce_weight=cfg.ce_weight,
+                            hidden_weight=cfg.hidden_weight,
+                            student_hidden=layer_outputs(out) if matching else (),
+                            teacher_hidden=teacher_hidden,
                         )
                         acc.backward(loss / cfg.grad_accum)
                     sums += torch.tensor(
-                        [loss.item(), parts.get("kl", 0.0), parts.get("ce", 0.0)], dtype=torch.float64
+                        [loss.item(), *(parts.get(k, 0.0) for k in ("kl", "ce", "hidden"))],
+                        dtype=torch.float64,
                     )
-                    del logits, teacher_logits, loss
+                    del out, teacher_logits, teacher_hidden, loss
                 grad_norm = None
                 if cfg.max_grad_norm is not None:
                     grad_norm = float(acc.clip_grad_norm_(trainable, cfg.max_grad_norm))
@@ -775,6 +838,7 @@ class Trainer:
                     "loss": means[0].item(),
                     "kl": means[1].item() if self.teacher is not None else None,
                     "ce": means[2].item() if (cfg.ce_weight > 0 or self.teacher is None) else None,
+                    "hidden": means[3].item() if matching else None,
                     "lr": lr,
                     "grad_norm": grad_norm,
                     "tokens": (step + 1) * tokens_per_step,
