@@ -10,8 +10,7 @@ outputs do not depend on which other rows are computed with them.
 Every step needs every unit, so priorities never differ and a cache never changes once full: the
 first step fills it with units `0 .. capacity-1` in order, and from then on the misses are the rest
 of the matrix, read (usually a layer ahead) in place into the staging matrix, at their own rows. A
-decode step on the CPU multiplies the cached rows and the staged rows separately, the cached rows of
-`up` and `gate` before it waits for the read (`_cached_products`); a multi-token step (prefill),
+decode step multiplies the cached rows and the staged rows separately; a multi-token step (prefill),
 where the kernel's blocking may depend on the matrix shape, first copies the cached rows into the
 staging matrix's head and multiplies the whole matrix at once, exactly as the dense model does; so
 does every step on a GPU, where a split product's outputs can differ in the last bit.
@@ -129,17 +128,15 @@ class StreamingMLP(DenseOnly, FlashMLP):
         if runtime.every_unit_resident and runtime.trace is None:
             return self._resident_forward(x).reshape(hidden_states.shape)
         pending = runtime.read_layer(self.layer, self.kinds_for(self.gated), ahead=bool(runtime.read_ahead))
-        started = perf_counter()
-        early = self._cached_products(x) if tokens == 1 and x.device.type == "cpu" else {}
         waiting = perf_counter()
         fetched = {kind: fetch.to(x.device) for kind, fetch in pending.result().items()}
         io_s = perf_counter() - waiting
 
         hits = sum(cache.size for _, cache in self._kind_caches)
-        resumed = perf_counter()
-        up = self._matrix(x, self.up_cache, fetched["up"], self.up_bias, early.get("up"))
+        started = perf_counter()
+        up = self._matrix(x, self.up_cache, fetched["up"], self.up_bias)
         if self.gated:
-            hidden = self.act(self._matrix(x, self.gate_cache, fetched["gate"], None, early.get("gate"))) * up
+            hidden = self.act(self._matrix(x, self.gate_cache, fetched["gate"], None)) * up
         else:
             hidden = self.act(up)
         out = self._matrix(hidden, self.down_cache, fetched["down"], self.down_bias)
@@ -160,7 +157,7 @@ class StreamingMLP(DenseOnly, FlashMLP):
             io_s=io_s,
             io_busy_s=sum(fetch.busy_s for fetch in fetched.values()),
             update_s=updated - computed,
-            compute_s=(waiting - started) + (computed - resumed),
+            compute_s=computed - started,
         )
         return out.reshape(hidden_states.shape)
 
@@ -188,36 +185,13 @@ class StreamingMLP(DenseOnly, FlashMLP):
         )
         return out
 
-    def _cached_products(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One token on the CPU: the up and gate outputs of the cached rows, which need no read, computed
-        before the wait for the read rows, on cores the previous layer's products kept awake (a core
-        that slept through the wait runs the next products slower). By kind; none for an empty cache."""
-        products = {}
-        for kind, cache, bias in (("up", self.up_cache, self.up_bias), ("gate", self.gate_cache, None)):
-            if cache is not None and cache.size:
-                products[kind] = F.linear(x, *self._head(cache, bias))
-        return products
-
-    @staticmethod
-    def _head(cache: NeuronCache, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The cached rows (units 0 .. size-1) and their bias."""
-        cached = cache.size
-        rows = cache.rows if cached == cache.rows.shape[0] else cache.rows[:cached]
-        return rows, None if bias is None else bias[:cached]
-
     def _matrix(
-        self,
-        x: torch.Tensor,
-        cache: NeuronCache,
-        fetch: Fetch,
-        bias: torch.Tensor | None,
-        head: torch.Tensor | None = None,
+        self, x: torch.Tensor, cache: NeuronCache, fetch: Fetch, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """`F.linear(x, W, bias)` for the matrix W whose rows are the cache's and the fetch's units;
-        `head`, where given, is the cached rows' part, computed already (`_cached_products`)."""
+        """`F.linear(x, W, bias)` for the matrix W whose rows are the cache's and the fetch's units."""
         cached = cache.size
         if fetch.ids.numel() == 0:  # all resident (in unit order): the matrix is the cache's
-            return head if head is not None else F.linear(x, cache.rows[:cached], bias)
+            return F.linear(x, cache.rows[:cached], bias)
         if not cache.holds_unit_prefix or fetch.ids.numel() != cache.num_units - cached:
             raise RuntimeError(
                 f"flashlm internal error: layer {self.layer}'s dense cache does not hold its first "
@@ -234,10 +208,9 @@ class StreamingMLP(DenseOnly, FlashMLP):
             return F.linear(x, matrix, bias)
         # One token on the CPU: the cached rows' outputs, then the read rows' (a row's output does not
         # depend on the rows computed beside it, so this equals the whole matrix's product).
-        if head is None:
-            head = F.linear(x, *self._head(cache, bias))
-        tail_bias = None if bias is None else bias[cached:]
-        return torch.cat((head, F.linear(x, matrix[cached:], tail_bias)), 1)
+        head = cache.rows if cached == cache.rows.shape[0] else cache.rows[:cached]
+        head_bias, tail_bias = (None, None) if bias is None else (bias[:cached], bias[cached:])
+        return torch.cat((F.linear(x, head, head_bias), F.linear(x, matrix[cached:], tail_bias)), 1)
 
     def _account(self, kind: str, cache: NeuronCache, fetch: Fetch) -> int:
         """Counters, the trace, and (only while the cache has free slots) admission; returns evictions."""
