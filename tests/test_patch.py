@@ -72,6 +72,31 @@ def test_density_one_matches_dense(arch, cached_fraction, make_tiny_checkpoint, 
     assert streaming_mlps(patched)[0].runtime.every_unit_resident == (cached_fraction == 1)
 
 
+@pytest.mark.parametrize("cached_fraction", CACHED_FRACTIONS)
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.exactness
+def test_a_float32_model_over_a_bfloat16_store_is_the_float32_model(
+    arch, cached_fraction, make_tiny_checkpoint, tmp_path
+):
+    """`from_pretrained(..., dtype=torch.float32)` of a bf16 checkpoint: its MLPs compute in float32 on the
+    store's bf16 rows, as transformers' upcast weights do (they hold the same values)."""
+    path = make_tiny_checkpoint(arch, dtype=torch.bfloat16)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    flashlm.convert(path, tmp_path / "store", progress=False)
+    config = flashlm.FlashConfig(
+        store=str(tmp_path / "store"), memory_budget=budget_caching(tmp_path / "store", cached_fraction)
+    )
+    patched = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=config)
+    assert flashlm.Store.open(tmp_path / "store").dtype == torch.bfloat16
+    ids = prompt_ids(reference.config.get_text_config().vocab_size)
+    with torch.no_grad():
+        logits = patched(ids).logits
+        assert logits.dtype == torch.float32
+        torch.testing.assert_close(logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+    kwargs = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(patched.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.exactness
 def test_bf16_logits_within_tolerance(arch, make_tiny_checkpoint, tmp_path):

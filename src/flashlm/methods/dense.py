@@ -166,9 +166,9 @@ class StreamingMLP(DenseOnly, FlashMLP):
         the caches' matrices, and nothing else but the counters (the decode path of a budget that
         holds the whole MLP)."""
         started = perf_counter()
-        up = F.linear(x, self.up_cache.rows, self.up_bias)
-        hidden = self.act(F.linear(x, self.gate_cache.rows)) * up if self.gated else self.act(up)
-        out = F.linear(hidden, self.down_cache.rows, self.down_bias)
+        up = _linear(x, self.up_cache.rows, self.up_bias)
+        hidden = self.act(_linear(x, self.gate_cache.rows)) * up if self.gated else self.act(up)
+        out = _linear(hidden, self.down_cache.rows, self.down_bias)
         computed = perf_counter()
         units = 0
         for _, cache in self._kind_caches:
@@ -191,7 +191,7 @@ class StreamingMLP(DenseOnly, FlashMLP):
         """`F.linear(x, W, bias)` for the matrix W whose rows are the cache's and the fetch's units."""
         cached = cache.size
         if fetch.ids.numel() == 0:  # all resident (in unit order): the matrix is the cache's
-            return F.linear(x, cache.rows[:cached], bias)
+            return _linear(x, cache.rows[:cached], bias)
         if not cache.holds_unit_prefix or fetch.ids.numel() != cache.num_units - cached:
             raise RuntimeError(
                 f"flashlm internal error: layer {self.layer}'s dense cache does not hold its first "
@@ -199,18 +199,18 @@ class StreamingMLP(DenseOnly, FlashMLP):
             )
         matrix = fetch.matrix  # units cached .. num_units - 1 at their own rows
         if cached == 0:
-            return F.linear(x, matrix, bias)
+            return _linear(x, matrix, bias)
         if x.shape[0] > 1 or x.device.type != "cpu":
             # One product over the whole matrix, as the dense model computes it: for many tokens, and
             # on a GPU, whose kernels may split the reduction by the matrix's shape (on an H200, split
             # products gave Qwen2.5-1.5B other bf16 greedy tokens). There the copy is on-device.
             matrix[:cached].copy_(cache.rows[:cached])
-            return F.linear(x, matrix, bias)
+            return _linear(x, matrix, bias)
         # One token on the CPU: the cached rows' outputs, then the read rows' (a row's output does not
         # depend on the rows computed beside it, so this equals the whole matrix's product).
         head = cache.rows if cached == cache.rows.shape[0] else cache.rows[:cached]
         head_bias, tail_bias = (None, None) if bias is None else (bias[:cached], bias[cached:])
-        return torch.cat((F.linear(x, head, head_bias), F.linear(x, matrix[cached:], tail_bias)), 1)
+        return torch.cat((_linear(x, head, head_bias), _linear(x, matrix[cached:], tail_bias)), 1)
 
     def _account(self, kind: str, cache: NeuronCache, fetch: Fetch) -> int:
         """Counters, the trace, and (only while the cache has free slots) admission; returns evictions."""
@@ -226,3 +226,10 @@ class StreamingMLP(DenseOnly, FlashMLP):
         )
         runtime.refresh_residency()
         return cache.evictions - evictions
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` in the activations' dtype. A model loaded in another dtype than its store's (float32
+    over a bf16 store) multiplies the rows converted, as transformers does with its upcast weights,
+    which hold the same values; in the store's dtype, `.to` returns the rows themselves (no copy)."""
+    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
