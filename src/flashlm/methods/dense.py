@@ -231,5 +231,7 @@ class StreamingMLP(DenseOnly, FlashMLP):
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` in the activations' dtype. A model loaded in another dtype than its store's (float32
     over a bf16 store) multiplies the rows converted, as transformers does with its upcast weights,
-    which hold the same values; in the store's dtype, `.to` returns the rows themselves (no copy)."""
-    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    which hold the same values. In the store's dtype the rows are used as they are."""
+    if weight.dtype != x.dtype:
+        weight, bias = weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
+    return F.linear(x, weight, bias)
