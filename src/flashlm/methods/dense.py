@@ -22,11 +22,11 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..cache import NeuronCache
 from ..engine.runtime import FlashRuntime
+from ..ops.linear import linear_in_dtype
 from ..store.format import dense_kinds
 from .base import DenseOnly, register_method
 from .mlp import FlashMLP
@@ -166,9 +166,9 @@ class StreamingMLP(DenseOnly, FlashMLP):
         the caches' matrices, and nothing else but the counters (the decode path of a budget that
         holds the whole MLP)."""
         started = perf_counter()
-        up = _linear(x, self.up_cache.rows, self.up_bias)
-        hidden = self.act(_linear(x, self.gate_cache.rows)) * up if self.gated else self.act(up)
-        out = _linear(hidden, self.down_cache.rows, self.down_bias)
+        up = linear_in_dtype(x, self.up_cache.rows, self.up_bias)
+        hidden = self.act(linear_in_dtype(x, self.gate_cache.rows)) * up if self.gated else self.act(up)
+        out = linear_in_dtype(hidden, self.down_cache.rows, self.down_bias)
         computed = perf_counter()
         units = 0
         for _, cache in self._kind_caches:
@@ -188,10 +188,10 @@ class StreamingMLP(DenseOnly, FlashMLP):
     def _matrix(
         self, x: torch.Tensor, cache: NeuronCache, fetch: Fetch, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """`F.linear(x, W, bias)` for the matrix W whose rows are the cache's and the fetch's units."""
+        """`linear_in_dtype(x, W, bias)` for the matrix W whose rows are the cache's and the fetch's units."""
         cached = cache.size
         if fetch.ids.numel() == 0:  # all resident (in unit order): the matrix is the cache's
-            return _linear(x, cache.rows[:cached], bias)
+            return linear_in_dtype(x, cache.rows[:cached], bias)
         if not cache.holds_unit_prefix or fetch.ids.numel() != cache.num_units - cached:
             raise RuntimeError(
                 f"flashlm internal error: layer {self.layer}'s dense cache does not hold its first "
@@ -199,18 +199,19 @@ class StreamingMLP(DenseOnly, FlashMLP):
             )
         matrix = fetch.matrix  # units cached .. num_units - 1 at their own rows
         if cached == 0:
-            return _linear(x, matrix, bias)
+            return linear_in_dtype(x, matrix, bias)
         if x.shape[0] > 1 or x.device.type != "cpu":
             # One product over the whole matrix, as the dense model computes it: for many tokens, and
             # on a GPU, whose kernels may split the reduction by the matrix's shape (on an H200, split
             # products gave Qwen2.5-1.5B other bf16 greedy tokens). There the copy is on-device.
             matrix[:cached].copy_(cache.rows[:cached])
-            return _linear(x, matrix, bias)
+            return linear_in_dtype(x, matrix, bias)
         # One token on the CPU: the cached rows' outputs, then the read rows' (a row's output does not
         # depend on the rows computed beside it, so this equals the whole matrix's product).
         head = cache.rows if cached == cache.rows.shape[0] else cache.rows[:cached]
         head_bias, tail_bias = (None, None) if bias is None else (bias[:cached], bias[cached:])
-        return torch.cat((_linear(x, head, head_bias), _linear(x, matrix[cached:], tail_bias)), 1)
+        tail = matrix[cached:]
+        return torch.cat((linear_in_dtype(x, head, head_bias), linear_in_dtype(x, tail, tail_bias)), 1)
 
     def _account(self, kind: str, cache: NeuronCache, fetch: Fetch) -> int:
         """Counters, the trace, and (only while the cache has free slots) admission; returns evictions."""
@@ -226,12 +227,3 @@ class StreamingMLP(DenseOnly, FlashMLP):
         )
         runtime.refresh_residency()
         return cache.evictions - evictions
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` in the activations' dtype. A model loaded in another dtype than its store's (float32
-    over a bf16 store) multiplies the rows converted, as transformers does with its upcast weights,
-    which hold the same values. In the store's dtype the rows are used as they are."""
-    if weight.dtype != x.dtype:
-        weight, bias = weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
-    return F.linear(x, weight, bias)

@@ -24,7 +24,6 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .._utils import format_bytes
@@ -34,6 +33,7 @@ from ..endor.kernel import decompression_path
 from ..endor.store import EndorStore, convert_endor, endor_layout, layer_placement
 from ..engine.runtime import Runtime
 from ..errors import BudgetTooSmallError, StoreMismatchError
+from ..ops.linear import linear_in_dtype
 from ..store import ModuleSource, SafetensorsSource
 from ..store.format import update_content_hash
 from ..store.location import open_or_convert
@@ -382,10 +382,8 @@ class EndorLinear(DenseOnly, MethodModule):
         runtime = self.runtime
         runtime.begin_use(self.layer, x.numel() // x.shape[-1])
         weight = runtime.weight(self.layer, self.name, x.device)
-        if weight.dtype != x.dtype:
-            weight = weight.to(x.dtype)
         started = perf_counter()
-        out = F.linear(x, weight, self.bias)
+        out = linear_in_dtype(x, weight, self.bias)
         if x.is_cuda:
             torch.cuda.synchronize(x.device)
         runtime.record_compute(self.layer, self.name, started, perf_counter())
