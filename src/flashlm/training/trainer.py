@@ -96,10 +96,10 @@ def hidden_state_loss(student: Sequence[torch.Tensor], teacher: Sequence[torch.T
             f"The student has {len(student)} hidden states and the teacher {len(teacher)}: hidden-state "
             "matching needs models with the same layers."
         )
-    errors = [
-        ((s.float() - t.float()).pow(2).sum(-1) / t.float().pow(2).sum(-1).clamp_min(1e-6)).mean()
-        for s, t in zip(student, teacher, strict=True)
-    ]
+    errors = []
+    for s, t in zip(student, teacher, strict=True):
+        t = t.float()
+        errors.append(((s.float() - t).pow(2).sum(-1) / t.pow(2).sum(-1).clamp_min(1e-6)).mean())
     return torch.stack(errors).mean()
 
 
