@@ -410,7 +410,7 @@ def check_token_cache(name: str, tokenizer, monkeypatch) -> torch.Tensor:
     assert path.is_file() and not list(path.parent.glob("*.tmp"))
     stamp = path.stat().st_mtime_ns
     with monkeypatch.context() as m:
-        m.setattr(corpora, "_encode", lambda *_: pytest.fail("re-tokenized despite the cache"))
+        m.setattr(corpora, "encode_text", lambda *_: pytest.fail("re-tokenized despite the cache"))
         again = corpus_tokens(name, tokenizer)
         calibration = corpus_tokens(name, tokenizer, split="calibration")
     assert torch.equal(test, again) and path.stat().st_mtime_ns == stamp

@@ -16,16 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_model, save_word_tokenizer
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flashlm.activations import FATReLU, activations, relufy
 from flashlm.cli.main import main as flashlm_main
-from flashlm.data.corpora import CorpusNotFoundError, require
+from flashlm.data.corpora import CorpusNotFoundError, corpus_tokens, require
 from flashlm.errors import RelufiedCheckpointError
 from flashlm.training.checkpoints import NotRelufiedError, load_checkpoint, load_relufied
-from flashlm.training.data import SAMPLES_NAME
+from flashlm.training.data import SAMPLES_NAME, pack
 from flashlm.training.relufy import (
     MODEL_DIR,
+    RECORD_NAME,
     REPORT_NAME,
     TRAIN_DIR,
     cast_parameters,
@@ -208,10 +209,16 @@ def test_mlp_targets_train_the_mlp_projections_alone(tiny_dir, tmp_path, mode):
 def test_flashlm_train_relufy_on_the_command_line(tiny_dir, tmp_path, capsys):
     _require_corpus()
     out = tmp_path / "out"
+    text = tmp_path / "domain.txt"
+    text.write_text("the and to of I you a my in is " * 10, encoding="utf-8")  # 100 tokens: 3 rows of 32
     argv = ["train", "relufy", *_common(tiny_dir, out, steps=3), "--activation", "relu", "--mode", "full"]
-    assert flashlm_main([*argv, "--no-eval"]) == 0
-    printed = capsys.readouterr().out
-    assert "reload exact True" in printed and "relu" in printed
+    assert flashlm_main([*argv, "--train-text", str(text), "--no-eval"]) == 0
+    printed = capsys.readouterr()
+    assert "reload exact True" in printed.out and "relu" in printed.out
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    rows = len(pack(corpus_tokens(CORPUS, tokenizer, split="calibration"), 32)) + 3
+    assert f"training on {rows} sequences of 32 tokens ({CORPUS}, {text})" in printed.err
+    assert json.loads((out / MODEL_DIR / RECORD_NAME).read_text())["options"]["train_texts"] == [str(text)]
     config = json.loads((out / MODEL_DIR / "config.json").read_text())
     assert config["hidden_act"] == "relu" and config["relufication"]["thresholds"] == [0.0, 0.0]
     # a bad combination is refused before anything loads, with what to do

@@ -14,13 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import build_tiny_model, tiny_config
+from conftest import build_tiny_model, save_word_tokenizer, tiny_config
 from torch import nn
 
 from flashlm.activations import relufy
+from flashlm.data.corpora import CorpusNotFoundError, corpus_tokens
 from flashlm.errors import ConfigError
 from flashlm.training.activations import dense_activations
-from flashlm.training.data import SAMPLE_PROMPT_TOKENS, SequenceSampler, pack, teacher_samples
+from flashlm.training.data import (
+    SAMPLE_PROMPT_TOKENS,
+    SequenceSampler,
+    corpus_sequences,
+    pack,
+    teacher_samples,
+)
 from flashlm.training.trainer import (
     LOG_NAME,
     RESULT_NAME,
@@ -110,6 +117,40 @@ def test_pack_and_the_sampler_are_deterministic_and_disjoint():
     assert sorted(epoch) == list(range(10))  # every row once per epoch
     with pytest.raises(ConfigError):
         pack(torch.arange(10), 1)
+
+
+def test_text_files_train_whole_after_the_corpora_and_bad_ones_are_refused(tmp_path):
+    save_word_tokenizer(tmp_path / "tok")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
+    words = ["the", "and", "to", "of", "I", "you", "a", "my", "in", "is", "that", "not", "me", "it", "his"]
+    first, second = tmp_path / "first.txt", tmp_path / "second.txt"
+    first.write_text(" ".join(words[i % len(words)] for i in range(70)), encoding="utf-8")
+    second.write_text(" ".join(reversed(words)) * 3, encoding="utf-8")
+    ids = [tokenizer(p.read_text(), add_special_tokens=False)["input_ids"] for p in (first, second)]
+    rows = corpus_sequences((), tokenizer, 16, texts=(first, str(second)))
+    # each file packed on its own (70 tokens: 4 rows; the second's 45: 2), no row spanning the two
+    assert torch.equal(rows, torch.cat([pack(torch.tensor(i), 16) for i in ids]))
+    assert rows.shape == (6, 16) and torch.equal(rows[0], torch.tensor(ids[0][:16]))
+    try:
+        jargon = corpus_sequences(("jargon",), tokenizer, 16)
+    except CorpusNotFoundError:
+        jargon = None
+    if jargon is not None:  # the corpora's calibration rows first, then the files'
+        both = corpus_sequences(("jargon",), tokenizer, 16, texts=(first,))
+        assert torch.equal(
+            both, torch.cat([pack(corpus_tokens("jargon", tokenizer, split="calibration"), 16), rows[:4]])
+        )
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 the and".encode("latin-1"))
+    for texts, message in (
+        ((tmp_path / "missing.txt",), "missing.txt does not exist"),
+        ((tmp_path,), "is a directory"),
+        ((tmp_path / "latin1.txt",), "not UTF-8 text \\(byte 3\\)"),
+        ((), "Name at least one corpus"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            corpus_sequences((), tokenizer, 16, texts=texts)
+    with pytest.raises(ConfigError, match=r"second.txt hold fewer than seq_len=64 tokens"):
+        corpus_sequences((), tokenizer, 64, texts=(second,))
 
 
 def test_teacher_samples_continue_real_prompts_and_are_cached(tmp_path, monkeypatch):

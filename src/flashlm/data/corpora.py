@@ -187,7 +187,8 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(description.encode()).hexdigest()
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """`text`'s token ids under `tokenizer`, with no special tokens added."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and hasattr(backend, "encode"):
         # The Rust tokenizer directly: no "sequence longer than the model's maximum" warning.
@@ -230,7 +231,7 @@ def corpus_tokens(name: str, tokenizer: Any, *, split: str = "test") -> torch.Te
         except Exception:  # a damaged cache file is rebuilt
             ids = None
     if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
-        ids = torch.tensor(_encode(tokenizer, text), dtype=torch.int64)
+        ids = torch.tensor(encode_text(tokenizer, text), dtype=torch.int64)
         _save_atomic(ids, path)
     return split_tokens(ids, split)
 

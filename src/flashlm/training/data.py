@@ -2,9 +2,10 @@
 
 Relufication (and the LoRA recovery that reuses the trainer) trains on the `"calibration"` split of
 flashlm's offline corpora (`flashlm.data.corpora`), never on the `"test"` split that the perplexity
-harness and the sparsity measurement read. Each corpus's stream is cut into back-to-back windows of
-`seq_len` tokens (the last partial window is dropped) so a sequence never spans two corpora and no
-token is padding: every position of every row is a real next-token prediction.
+harness and the sparsity measurement read, and on any text files the user names. Each stream (a
+corpus's split, a file) is cut into back-to-back windows of `seq_len` tokens (the last partial window
+is dropped) so a sequence never spans two streams and no token is padding: every position of every
+row is a real next-token prediction.
 """
 
 from __future__ import annotations
@@ -31,27 +32,57 @@ def pack(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 
 def corpus_sequences(
-    corpora: Sequence[str], tokenizer: Any, seq_len: int, *, split: str = "calibration"
+    corpora: Sequence[str],
+    tokenizer: Any,
+    seq_len: int,
+    *,
+    split: str = "calibration",
+    texts: Sequence[str | os.PathLike] = (),
 ) -> torch.Tensor:
-    """The `split` of every corpus in `corpora`, each packed into `seq_len`-token rows, concatenated.
+    """The `split` of every corpus in `corpora`, then every UTF-8 text file in `texts` whole (the user's
+    own text, from the domain the model will run on), each packed into `seq_len`-token rows, concatenated.
 
-    Raises `CorpusNotFoundError` (saying what to install) for a missing corpus, and `ConfigError` when
-    the corpora hold no complete row.
+    Raises `CorpusNotFoundError` (saying what to install) for a missing corpus, and `ConfigError` for a
+    text file that cannot be read as UTF-8 or when the corpora and texts hold no complete row.
     """
     from ..data.corpora import corpus_tokens, require
 
-    if not corpora:
-        raise ConfigError("Name at least one corpus to train on (flashlm.data.corpora.CORPORA).")
+    if not corpora and not texts:
+        raise ConfigError("Name at least one corpus (flashlm.data.corpora.CORPORA) or text file to train on.")
     for name in corpora:
-        require(name)  # fail on a missing corpus before tokenizing the others
+        require(name)  # fail on a missing corpus or file before tokenizing the others
+    streams = [_read_text(path) for path in texts]
     parts = [pack(corpus_tokens(name, tokenizer, split=split), seq_len) for name in corpora]
+    parts += [pack(_text_tokens(tokenizer, text), seq_len) for text in streams]
     sequences = torch.cat(parts)
     if sequences.shape[0] == 0:
+        sources = [f"the {split} split of {name}" for name in corpora] + [str(path) for path in texts]
         raise ConfigError(
-            f"The {split} split of {', '.join(corpora)} holds fewer than seq_len={seq_len} tokens: "
-            "use a shorter sequence length or more corpora."
+            f"{', '.join(sources)} hold fewer than seq_len={seq_len} tokens each: use a shorter sequence "
+            "length or more text."
         )
     return sequences
+
+
+def _read_text(path: str | os.PathLike) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"Training text file {path} does not exist.") from None
+    except IsADirectoryError:
+        raise ConfigError(
+            f"Training text {path} is a directory: name the text files in it one by one."
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"Training text file {path} is not UTF-8 text (byte {exc.start}): convert it, e.g. with iconv."
+        ) from None
+
+
+def _text_tokens(tokenizer: Any, text: str) -> torch.Tensor:
+    from ..data.corpora import encode_text
+
+    return torch.tensor(encode_text(tokenizer, text), dtype=torch.int64)
 
 
 def fingerprint(sequences: torch.Tensor) -> str:

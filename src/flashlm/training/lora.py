@@ -278,6 +278,7 @@ class LoraOptions:
     alpha: float = 32.0
     dropout: float = 0.0
     corpora: tuple[str, ...] = DEFAULT_TRAIN_CORPORA
+    train_texts: tuple[str, ...] = ()
     seq_len: int = 128
     teacher_samples: int = 0
     mixed_precision: str = "no"
@@ -449,7 +450,7 @@ def run(
     with accelerator.main_process_first():  # convert the bundled model and its store, tokenize, once
         path = model_path(options.model, progress=options.progress and main)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        sequences = corpus_sequences(options.corpora, tokenizer, options.seq_len)
+        sequences = corpus_sequences(options.corpora, tokenizer, options.seq_len, texts=options.train_texts)
         store = open_checkpoint_store(path, flash_config, progress=options.progress and main)
 
     set_seed(train.seed)

@@ -120,6 +120,7 @@ class RelufyOptions:
     targets: Literal["all", "mlp"] = "all"
     teacher: Literal["shared", "copy"] | None = None
     corpora: tuple[str, ...] = DEFAULT_TRAIN_CORPORA
+    train_texts: tuple[str, ...] = ()
     seq_len: int = 128
     teacher_samples: int = 0
     mixed_precision: Literal["no", "bf16", "auto"] = "no"
@@ -423,7 +424,7 @@ def run(
     with accelerator.main_process_first():  # convert the bundled model and tokenize the corpora once
         path = model_path(options.model, progress=options.progress and main)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        sequences = corpus_sequences(options.corpora, tokenizer, options.seq_len)
+        sequences = corpus_sequences(options.corpora, tokenizer, options.seq_len, texts=options.train_texts)
         if options.evaluate and main:
             from ..data.corpora import corpus_tokens
 
@@ -446,7 +447,8 @@ def run(
         )
     say(
         f"training on {sequences.shape[0]} sequences of {options.seq_len} tokens "
-        f"({', '.join(options.corpora)}) and {sampled.shape[0]} sampled from the dense model"
+        f"({', '.join((*options.corpora, *options.train_texts))}) and {sampled.shape[0]} sampled from the "
+        "dense model"
     )
     eval_dtype = _dtype(options.eval_dtype)
     measurements: dict[str, dict[str, Any]] = {}

@@ -295,6 +295,15 @@ def add_recipe_arguments(parser: argparse.ArgumentParser, *, outputs: str) -> No
     p.add_argument(
         "--corpora", type=names, default=DEFAULT_TRAIN_CORPORA, help="training corpora (calibration splits)"
     )
+    p.add_argument(
+        "--train-text",
+        dest="train_texts",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="also train on this UTF-8 text file, whole: text from the domain the model will run on "
+        "(repeat for several files)",
+    )
     p.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence (default: 128)")
     p.add_argument(
         "--teacher-samples",
@@ -311,6 +320,7 @@ def recipe_options_from_args(args: argparse.Namespace) -> dict:
         "output_dir": args.out,
         "model": args.model,
         "corpora": args.corpora,
+        "train_texts": tuple(args.train_texts),
         "seq_len": args.seq_len,
         "teacher_samples": args.teacher_samples,
         "mixed_precision": args.mixed_precision,
