@@ -8,8 +8,9 @@ The recipe (LLM in a flash §1 and appendix C.4 "Relufication", which adds the d
 PowerInfer; Mirzadeh et al.), in steps:
 
 1. Load the dense model (float32 for training) and pack the `"calibration"` split of the training
-   corpora into `seq_len`-token rows (`flashlm.training.data`); with `teacher_samples`, add that
-   many rows sampled from the dense model (`data.teacher_samples`).
+   corpora, and each of the user's `train_texts` files whole, into `seq_len`-token rows
+   (`flashlm.training.data`); with `teacher_samples`, add that many rows sampled from the dense
+   model (`data.teacher_samples`).
 2. Pick the thresholds: ReLU (0), one FATReLU threshold for every layer (`threshold`), or, by
    default, per-layer thresholds at the `target_zeros` quantile of each layer's gate pre-activations
    on calibration text (`activations.calibrate_thresholds`). They are kept in `OUT/thresholds.json`,
