@@ -187,13 +187,15 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(description.encode()).hexdigest()
 
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """`text`'s token ids under `tokenizer`, with no special tokens added."""
+def encode_text(tokenizer: Any, text: str) -> torch.Tensor:
+    """`text`'s token ids under `tokenizer` (1-D int64), with no special tokens added."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and hasattr(backend, "encode"):
         # The Rust tokenizer directly: no "sequence longer than the model's maximum" warning.
-        return backend.encode(text, add_special_tokens=False).ids
-    return tokenizer.encode(text, add_special_tokens=False, verbose=False)
+        ids = backend.encode(text, add_special_tokens=False).ids
+    else:
+        ids = tokenizer.encode(text, add_special_tokens=False, verbose=False)
+    return torch.tensor(ids, dtype=torch.int64)
 
 
 def corpus_path(name: str, tokenizer: Any, text: str | None = None) -> Path:
@@ -231,7 +233,7 @@ def corpus_tokens(name: str, tokenizer: Any, *, split: str = "test") -> torch.Te
         except Exception:  # a damaged cache file is rebuilt
             ids = None
     if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
-        ids = torch.tensor(encode_text(tokenizer, text), dtype=torch.int64)
+        ids = encode_text(tokenizer, text)
         _save_atomic(ids, path)
     return split_tokens(ids, split)
 

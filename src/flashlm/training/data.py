@@ -45,7 +45,7 @@ def corpus_sequences(
     Raises `CorpusNotFoundError` (saying what to install) for a missing corpus, and `ConfigError` for a
     text file that cannot be read as UTF-8 or when the corpora and texts hold no complete row.
     """
-    from ..data.corpora import corpus_tokens, require
+    from ..data.corpora import corpus_tokens, encode_text, require
 
     if not corpora and not texts:
         raise ConfigError("Name at least one corpus (flashlm.data.corpora.CORPORA) or text file to train on.")
@@ -53,7 +53,7 @@ def corpus_sequences(
         require(name)  # fail on a missing corpus or file before tokenizing the others
     streams = [_read_text(path) for path in texts]
     parts = [pack(corpus_tokens(name, tokenizer, split=split), seq_len) for name in corpora]
-    parts += [pack(_text_tokens(tokenizer, text), seq_len) for text in streams]
+    parts += [pack(encode_text(tokenizer, text), seq_len) for text in streams]
     sequences = torch.cat(parts)
     if sequences.shape[0] == 0:
         sources = [f"the {split} split of {name}" for name in corpora] + [str(path) for path in texts]
@@ -77,12 +77,6 @@ def _read_text(path: str | os.PathLike) -> str:
         raise ConfigError(
             f"Training text file {path} is not UTF-8 text (byte {exc.start}): convert it, e.g. with iconv."
         ) from None
-
-
-def _text_tokens(tokenizer: Any, text: str) -> torch.Tensor:
-    from ..data.corpora import encode_text
-
-    return torch.tensor(encode_text(tokenizer, text), dtype=torch.int64)
 
 
 def fingerprint(sequences: torch.Tensor) -> str:
