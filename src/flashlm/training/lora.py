@@ -63,6 +63,7 @@ from .trainer import (
     add_eval_arguments,
     add_recipe_arguments,
     add_trainer_arguments,
+    corpus_column_width,
     recipe_options_from_args,
     train_config_from_args,
 )
@@ -397,18 +398,19 @@ def gap_closed(dense: float, sparse: float, recovered: float) -> float:
 
 def format_report(report: LoraReport) -> str:
     """The measurements as a table: perplexity per stage and corpus, and the gap closed."""
+    corpora = list(report.measurements.get("dense", {}))
+    width = corpus_column_width(corpora)
     lines = [
         f"{report.steps} steps, loss {report.first_loss:.4f} -> {report.final_loss:.4f}, "
         f"peak RSS {report.peak_rss_mb:.0f} MB",
-        f"{'stage':<14} {'corpus':<14} {'perplexity':>11} {'vs dense':>9}",
+        f"{'stage':<14} {'corpus':<{width}} {'perplexity':>11} {'vs dense':>9}",
     ]
-    corpora = list(report.measurements.get("dense", {}))
     for corpus in corpora:
         dense = report.measurements["dense"][corpus]["perplexity"]
         for stage in ("dense", "sparse", "sparse+lora"):
             ppl = report.measurements[stage][corpus]["perplexity"]
-            lines.append(f"{stage:<14} {corpus:<14} {ppl:>11.3f} {ppl / dense - 1:>+9.1%}")
-        lines.append(f"{'gap closed':<14} {corpus:<14} {report.gap_closed(corpus):>11.1%}")
+            lines.append(f"{stage:<14} {corpus:<{width}} {ppl:>11.3f} {ppl / dense - 1:>+9.1%}")
+        lines.append(f"{'gap closed':<14} {corpus:<{width}} {report.gap_closed(corpus):>11.1%}")
     return "\n".join(lines)
 
 

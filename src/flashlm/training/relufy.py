@@ -74,6 +74,7 @@ from .trainer import (
     add_eval_arguments,
     add_recipe_arguments,
     add_trainer_arguments,
+    corpus_column_width,
     recipe_options_from_args,
     train_config_from_args,
 )
@@ -313,14 +314,15 @@ def format_report(report: RelufyReport) -> str:
     stages = list(report.measurements)
     corpora = list(next(iter(report.measurements.values()), {}))
     if corpora:
+        width = corpus_column_width(corpora)
         lines.append("")
-        lines.append(f"{'stage':<22} {'corpus':<14} {'perplexity':>11} {'vs dense':>9} {'zeros':>7}")
+        lines.append(f"{'stage':<22} {'corpus':<{width}} {'perplexity':>11} {'vs dense':>9} {'zeros':>7}")
         for stage in stages:
             for corpus in corpora:
                 m = report.measurements[stage][corpus]
                 dense = report.measurements.get("dense", {}).get(corpus, {}).get("perplexity", math.nan)
                 lines.append(
-                    f"{stage:<22} {corpus:<14} {m['perplexity']:>11.3f} "
+                    f"{stage:<22} {corpus:<{width}} {m['perplexity']:>11.3f} "
                     f"{m['perplexity'] / dense - 1:>+9.1%} {m['zero_fraction']:>7.1%}"
                 )
     return "\n".join(lines)

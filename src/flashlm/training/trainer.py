@@ -284,6 +284,11 @@ def names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+def corpus_column_width(corpora: Sequence[str]) -> int:
+    """Width of a report table's corpus column: the longest name (`debian-reference`), at least 14."""
+    return max([14, *(len(name) for name in corpora)])
+
+
 def add_recipe_arguments(parser: argparse.ArgumentParser, *, outputs: str) -> None:
     """What every recipe's command line starts with: `--out` (holding `outputs`), `--model`, the training
     corpora and sequence length."""
