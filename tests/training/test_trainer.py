@@ -29,6 +29,10 @@ from flashlm.training.data import (
     pack,
     teacher_samples,
 )
+from flashlm.training.lora import LoraReport
+from flashlm.training.lora import format_report as lora_report_table
+from flashlm.training.relufy import RelufyReport
+from flashlm.training.relufy import format_report as relufy_report_table
 from flashlm.training.trainer import (
     LOG_NAME,
     RESULT_NAME,
@@ -425,43 +429,42 @@ def test_an_unknown_mixed_precision_is_refused_with_the_choices():
         make_accelerator("fp16")
 
 
-def _relufy_report(measurements):
-    from flashlm.training.relufy import RelufyReport
-
-    return RelufyReport(
+def _relufy_table(measurements):
+    report = RelufyReport(
         model="m", output_dir="o", saved="o/model", options={"activation": "fatrelu"}, thresholds=[0.0, 0.5],
         steps=2, start_step=0, train_seconds=1.0, total_seconds=2.0, tokens_per_step=8, first_loss=2.0,
         final_loss=1.0, reload_exact=True, measurements=measurements,
     )  # fmt: skip
+    return relufy_report_table(report)
 
 
-def _lora_report(measurements):
-    from flashlm.training.lora import LoraReport
-
-    return LoraReport(
+def _lora_table(measurements):
+    report = LoraReport(
         model="m", options={}, store="s", adapter="a", fused=None, steps=2, start_step=0, train_seconds=1.0,
         first_loss=2.0, final_loss=1.0, peak_rss_mb=10.0, measurements=measurements,
     )  # fmt: skip
+    return lora_report_table(report)
 
 
-@pytest.mark.parametrize("recipe", ["relufy", "lora"])
-def test_report_tables_keep_their_columns_for_long_corpus_names(recipe):
-    from flashlm.training.lora import format_report as lora_table
-    from flashlm.training.relufy import format_report as relufy_table
-
-    stages = ("dense", "relufied, trained") if recipe == "relufy" else ("dense", "sparse", "sparse+lora")
+@pytest.mark.parametrize(
+    ("table", "stages", "rows_per_corpus"),
+    [
+        (_relufy_table, ("dense", "relufied, trained"), 2),
+        (_lora_table, ("dense", "sparse", "sparse+lora"), 4),  # and "gap closed"
+    ],
+    ids=["relufy", "lora"],
+)
+def test_report_tables_keep_their_columns_for_long_corpus_names(table, stages, rows_per_corpus):
     corpora = ("jargon", "debian-reference")
-    measurements = {
-        stage: {c: {"perplexity": 20.0 + i + j, "zero_fraction": 0.8} for j, c in enumerate(corpora)}
-        for i, stage in enumerate(stages)
-    }
-    if recipe == "relufy":
-        text = relufy_table(_relufy_report(measurements))
-    else:
-        text = lora_table(_lora_report(measurements))
+    text = table(
+        {
+            stage: {c: {"perplexity": 20.0 + i + j, "zero_fraction": 0.8} for j, c in enumerate(corpora)}
+            for i, stage in enumerate(stages)
+        }
+    )
     header = next(line for line in text.splitlines() if line.startswith("stage"))
     rows = [line for line in text.splitlines() if any(f" {c} " in line for c in corpora)]
-    assert len(rows) == len(stages) * len(corpora) + (len(corpora) if recipe == "lora" else 0)
+    assert len(rows) == rows_per_corpus * len(corpora)
     # every row's first figure (its perplexity, or the gap closed) ends under the header's "perplexity"
     end = header.index("perplexity") + len("perplexity")
     for line in rows:
