@@ -75,7 +75,7 @@ def test_runtime_options_map_to_flash_config():
     assert (config.threshold, config.input_density, config.policy) == ("layer", 0.5, "lfu")
 
 
-def test_eval_errors_exit_2(make_tiny_checkpoint, capsys):
+def test_eval_errors_exit_2(make_tiny_checkpoint, tmp_path, capsys):
     path = str(make_tiny_checkpoint("llama", dtype=torch.float32))
     assert main(["eval", "ppl", "--model", path, "--method", "sparse"]) == 2
     assert "dip-ca" in capsys.readouterr().err
@@ -84,6 +84,13 @@ def test_eval_errors_exit_2(make_tiny_checkpoint, capsys):
     assert main(["eval", "ppl", "--model", path, "--tokens", "100", "--context-length", "128"]) == 2
     assert "--tokens" in capsys.readouterr().err
     assert main(["eval", "sweep", "--model", path, "--methods", "dense,nope"]) == 2
+    assert main(["eval", "ppl", "--model", path, "--text", str(tmp_path / "missing.txt")]) == 2
+    assert "Evaluation text file" in capsys.readouterr().err
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    assert main(["eval", "ppl", "--model", path, "--text", str(tmp_path / "latin1.txt")]) == 2
+    assert "not UTF-8" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a corpus or a file, not both
+        main(["eval", "ppl", "--corpus", "jargon", "--text", str(tmp_path / "latin1.txt")])
     with pytest.raises(SystemExit):
         main(["eval", "ppl", "--context-length", "1"])
 
@@ -101,6 +108,14 @@ def test_eval_ppl_and_sweep_end_to_end(make_tiny_checkpoint, tmp_path, capsys, m
     assert record["corpus"] == "shakespeare" and record["method"] == "dense"
     assert record["windows"] == 4 and record["tokens"] == 4 * 63 and record["mlp_density"] == 1.0
     assert record["perplexity"] > 1
+
+    text = tmp_path / "own.txt"
+    text.write_text(head[:20_000], encoding="utf-8")
+    assert main(["eval", "ppl", *common, *store, "--text", str(text), "--json"]) == 0
+    own = json.loads(capsys.readouterr().out)
+    assert own["text"] == str(text) and "corpus" not in own
+    assert own["windows"] == 4 and own["perplexity"] > 1
+    assert own["perplexity"] != record["perplexity"]  # the file's start, not the corpus's test split
 
     assert main(["eval", "ppl", *common, *store, "--policy", "lru"]) == 0
     out = capsys.readouterr().out

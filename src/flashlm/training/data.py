@@ -45,13 +45,13 @@ def corpus_sequences(
     Raises `CorpusNotFoundError` (saying what to install) for a missing corpus, and `ConfigError` for a
     text file that cannot be read as UTF-8 or when the corpora and texts hold no complete row.
     """
-    from ..data.corpora import corpus_tokens, encode_text, require
+    from ..data.corpora import corpus_tokens, encode_text, read_text_file, require
 
     if not corpora and not texts:
         raise ConfigError("Name at least one corpus (flashlm.data.corpora.CORPORA) or text file to train on.")
     for name in corpora:
         require(name)  # fail on a missing corpus or file before tokenizing the others
-    streams = [_read_text(path) for path in texts]
+    streams = [read_text_file(path, role="Training text") for path in texts]
     parts = [pack(corpus_tokens(name, tokenizer, split=split), seq_len) for name in corpora]
     parts += [pack(encode_text(tokenizer, text), seq_len) for text in streams]
     sequences = torch.cat(parts)
@@ -62,21 +62,6 @@ def corpus_sequences(
             "length or more text."
         )
     return sequences
-
-
-def _read_text(path: str | os.PathLike) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"Training text file {path} does not exist.") from None
-    except IsADirectoryError:
-        raise ConfigError(
-            f"Training text {path} is a directory: name the text files in it one by one."
-        ) from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"Training text file {path} is not UTF-8 text (byte {exc.start}): convert it, e.g. with iconv."
-        ) from None
 
 
 def fingerprint(sequences: torch.Tensor) -> str:
