@@ -25,6 +25,7 @@ from flashlm.errors import RelufiedCheckpointError
 from flashlm.training.checkpoints import NotRelufiedError, load_checkpoint, load_relufied
 from flashlm.training.data import SAMPLES_NAME, pack
 from flashlm.training.relufy import (
+    CE_WEIGHT,
     MODEL_DIR,
     RECORD_NAME,
     REPORT_NAME,
@@ -179,6 +180,10 @@ def test_the_recipe_relufies_trains_saves_and_measures(tiny_dir, tmp_path, capsy
     )
     log = read_log(out / TRAIN_DIR / LOG_NAME)
     assert [r["step"] for r in log] == list(range(1, 7))
+    # the recipe's loss: the distillation KL plus CE_WEIGHT times the next-token cross-entropy
+    assert report["options"]["train"]["ce_weight"] == CE_WEIGHT > 0
+    for record in log:
+        assert record["ce"] > 0 and record["loss"] == pytest.approx(record["kl"] + CE_WEIGHT * record["ce"])
     model = load_relufied(out / MODEL_DIR)
     assert [a.module.threshold for a in activations(model)] == pytest.approx(report["thresholds"])
     assert (out / MODEL_DIR / "tokenizer.json").is_file()

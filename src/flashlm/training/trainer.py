@@ -347,9 +347,12 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def add_trainer_arguments(parser: argparse.ArgumentParser, *, steps: int, lr_default: str) -> None:
+def add_trainer_arguments(
+    parser: argparse.ArgumentParser, *, steps: int, lr_default: str, ce_weight: float = 0.0
+) -> None:
     """The command-line options of a `TrainConfig` (and `--mixed-precision`, `--no-progress`), shared by
-    the recipes; `lr_default` says in the help what `--lr` defaults to (the recipe decides)."""
+    the recipes; `lr_default` says in the help what `--lr` defaults to (the recipe decides), and
+    `ce_weight` is the recipe's default weight of the cross-entropy term."""
     p = parser
     p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default: {steps})")
     p.add_argument(
@@ -362,7 +365,12 @@ def add_trainer_arguments(parser: argparse.ArgumentParser, *, steps: int, lr_def
     p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature (default: 1)")
-    p.add_argument("--ce-weight", type=float, default=0.0, help="weight of the next-token cross-entropy term")
+    p.add_argument(
+        "--ce-weight",
+        type=float,
+        default=ce_weight,
+        help=f"weight of the next-token cross-entropy term (default: {ce_weight:g})",
+    )
     p.add_argument(
         "--hidden-weight",
         type=float,
