@@ -839,7 +839,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--text",
         metavar="FILE",
         default=None,
-        help="score a UTF-8 text file of yours instead, from its start (text no training run has seen)",
+        help="score a UTF-8 text file instead of a corpus, from its start (e.g. text unlike any training)",
     )
     _add_eval_options(ppl)
     ppl.add_argument("--json", action="store_true", help="print the result as JSON")
