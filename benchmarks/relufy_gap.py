@@ -38,7 +38,7 @@ def token_statistics(
     """Per predicted token, window by window as the harness: the true token's NLL, the distribution's
     entropy, whether the true token is the top-1, its position in the window, and with `keep_logits`
     the logits (for temperature scaling)."""
-    nll, entropy, top1, logits_all = [], [], [], []
+    nll, entropy, top1, targets_all, logits_all = [], [], [], [], []
     with torch.no_grad():
         for start in range(0, ids.numel() - context + 1, context):
             window = ids[start : start + context].unsqueeze(0)
@@ -48,6 +48,7 @@ def token_statistics(
             nll.append(-log_p.gather(1, targets[:, None])[:, 0])
             entropy.append(-(log_p.exp() * log_p).sum(-1))
             top1.append((log_p.argmax(-1) == targets).float())
+            targets_all.append(targets)
             if keep_logits:
                 logits_all.append(logits)
     windows = len(nll)
@@ -55,12 +56,13 @@ def token_statistics(
         "nll": torch.cat(nll),
         "entropy": torch.cat(entropy),
         "top1": torch.cat(top1),
+        "target": torch.cat(targets_all),
         "position": torch.arange(1, context).repeat(windows),
         **({"logits": torch.cat(logits_all)} if keep_logits else {}),
     }
 
 
-def gap_report(dense: dict, relufied: dict, targets: torch.Tensor) -> dict:
+def gap_report(dense: dict, relufied: dict) -> dict:
     """The figures the module docstring lists, as a JSON-able dict."""
     gap = relufied["nll"] - dense["nll"]
     total = gap.sum().item()
@@ -81,7 +83,10 @@ def gap_report(dense: dict, relufied: dict, targets: torch.Tensor) -> dict:
         return rows
 
     ordered = gap.sort(descending=True).values
-    scaled = {str(t): math.exp(F.cross_entropy(relufied["logits"] / t, targets).item()) for t in TEMPERATURES}
+    scaled = {
+        str(t): math.exp(F.cross_entropy(relufied["logits"] / t, relufied["target"]).item())
+        for t in TEMPERATURES
+    }
     return {
         "tokens": gap.numel(),
         "models": {
@@ -100,17 +105,17 @@ def gap_report(dense: dict, relufied: dict, targets: torch.Tensor) -> dict:
     }
 
 
-def worst_tokens(
-    gap: torch.Tensor, targets: torch.Tensor, dense_nll, relufied_nll, tokenizer, k: int
-) -> list:
+def worst_tokens(dense: dict, relufied: dict, tokenizer, k: int) -> list[dict]:
+    """The `k` tokens whose NLL rose most, each with the six tokens before it."""
+    targets = relufied["target"]
     rows = []
-    for i in gap.argsort(descending=True)[:k].tolist():
+    for i in (relufied["nll"] - dense["nll"]).argsort(descending=True)[:k].tolist():
         rows.append(
             {
                 "context": tokenizer.decode(targets[max(0, i - 6) : i]),
                 "token": tokenizer.decode(targets[i : i + 1]),
-                "dense_nll": dense_nll[i].item(),
-                "relufied_nll": relufied_nll[i].item(),
+                "dense_nll": dense["nll"][i].item(),
+                "relufied_nll": relufied["nll"][i].item(),
             }
         )
     return rows
@@ -196,11 +201,8 @@ def main() -> None:
         ids = ids[: num_windows(ids.numel(), args.context, args.tokens) * args.context]
         dense = token_statistics(dense_model, ids, args.context)
         relufied = token_statistics(relufied_model, ids, args.context, keep_logits=True)
-        targets = torch.cat([ids[s + 1 : s + args.context] for s in range(0, ids.numel(), args.context)])
-        report = gap_report(dense, relufied, targets)
-        report["worst"] = worst_tokens(
-            relufied["nll"] - dense["nll"], targets, dense["nll"], relufied["nll"], tokenizer, args.worst
-        )
+        report = gap_report(dense, relufied)
+        report["worst"] = worst_tokens(dense, relufied, tokenizer, args.worst)
         reports[corpus] = report
         text.append(markdown(corpus, report))
         print(text[-1], flush=True)
