@@ -524,6 +524,8 @@ def run(
             report.measurements = measure(report, options, path)
         (out / REPORT_NAME).write_text(json.dumps(report.to_dict(), indent=2, default=str))
     accelerator.wait_for_everyone()
+    # Gloo's worker threads can abort the interpreter's exit (SIGABRT) unless the group is destroyed first.
+    accelerator.end_training()
     return report
 
 

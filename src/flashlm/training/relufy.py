@@ -575,6 +575,8 @@ def run(
         (out / REPORT_NAME).write_text(json.dumps(report.to_dict(), indent=2, default=str))
         (saved / RECORD_NAME).write_text(json.dumps(_record(report), indent=2, default=str))
     accelerator.wait_for_everyone()
+    # Gloo's worker threads can abort the interpreter's exit (SIGABRT) unless the group is destroyed first.
+    accelerator.end_training()
     return report
 
 
