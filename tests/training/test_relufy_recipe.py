@@ -21,15 +21,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from flashlm.activations import FATReLU, activations, relufy
 from flashlm.cli.main import main as flashlm_main
 from flashlm.data.corpora import CorpusNotFoundError, corpus_tokens, require
-from flashlm.errors import RelufiedCheckpointError
+from flashlm.errors import ConfigError, RelufiedCheckpointError
 from flashlm.training.checkpoints import NotRelufiedError, load_checkpoint, load_relufied
-from flashlm.training.data import SAMPLES_NAME, pack
+from flashlm.training.data import SAMPLES_NAME, pack, start_token
 from flashlm.training.relufy import (
     CE_WEIGHT,
     MODEL_DIR,
     RECORD_NAME,
     REPORT_NAME,
     TRAIN_DIR,
+    RelufyOptions,
     cast_parameters,
     main,
     save_relufied,
@@ -154,7 +155,16 @@ def test_the_recipe_relufies_trains_saves_and_measures(tiny_dir, tmp_path, capsy
         tiny_dir,
         out,
         extra=(
-            *("--lora-rank", "4", "--target-zeros", "0.8", "--teacher-samples", "5"),
+            *(
+                "--lora-rank",
+                "4",
+                "--target-zeros",
+                "0.8",
+                "--teacher-samples",
+                "5",
+                "--teacher-prompts",
+                "start",
+            ),
             *("--threshold-ramp", "3", "--json"),
         ),
     )
@@ -165,7 +175,9 @@ def test_the_recipe_relufies_trains_saves_and_measures(tiny_dir, tmp_path, capsy
     assert report["options"]["teacher_samples"] == 5
     # reload_exact: the ramp ended at the thresholds the checkpoint records
     assert report["options"]["threshold_ramp"] == 3
-    assert torch.load(out / SAMPLES_NAME, weights_only=True)["rows"].shape == (5, 32)
+    samples = torch.load(out / SAMPLES_NAME, weights_only=True)["rows"]
+    assert samples.shape == (5, 32) and report["options"]["teacher_prompts"] == "start"
+    assert (samples[:, 0] == start_token(AutoModelForCausalLM.from_pretrained(tiny_dir))).all()
     assert report["options"]["mode"] == "lora" and len(report["thresholds"]) == 2
     stages = report["measurements"]
     assert list(stages) == ["dense", "relufied, not trained", "relufied, trained"]
@@ -241,6 +253,8 @@ def test_flashlm_train_relufy_on_the_command_line(tiny_dir, tmp_path, capsys):
         assert flashlm_main(["train", "relufy", *_common(tiny_dir, tmp_path / "y"), *bad]) == 2
         assert says in capsys.readouterr().err
     assert not (tmp_path / "y").exists()  # refused before anything was written
+    with pytest.raises(ConfigError, match=r"teacher_prompts must be one of \('rows', 'start'\), got 'bos'"):
+        RelufyOptions(output_dir=tmp_path / "z", teacher_prompts="bos")
 
 
 # ---- processes ---------------------------------------------------------------------------------------

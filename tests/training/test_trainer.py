@@ -27,6 +27,7 @@ from flashlm.training.data import (
     SequenceSampler,
     corpus_sequences,
     pack,
+    start_token,
     teacher_samples,
 )
 from flashlm.training.lora import LoraReport
@@ -190,6 +191,34 @@ def test_teacher_samples_continue_real_prompts_and_are_cached(tmp_path, monkeypa
         teacher_samples(teacher, sequences[:, :16], 3, seed=1, source="tiny", cache=cache)
     with pytest.raises(ConfigError, match=">= 0"):
         teacher_samples(teacher, sequences, -1, seed=1, source="tiny", cache=cache)
+
+
+def test_teacher_samples_from_the_start_begin_at_the_start_token_and_differ(tmp_path, monkeypatch):
+    teacher = build_tiny_model("llama")
+    teacher.generation_config.bos_token_id = 1
+    sequences = torch.randint(3, 100, (5, 12), generator=torch.Generator().manual_seed(0))
+    cache = tmp_path / "samples.pt"
+    rows = teacher_samples(teacher, sequences, 6, seed=1, source="tiny", cache=cache, prompts="start")
+    assert rows.shape == (6, 12)  # 12 <= SAMPLE_PROMPT_TOKENS is fine: no row's prompt is needed
+    assert (rows[:, 0] == 1).all()
+    assert len({tuple(r.tolist()) for r in rows}) == 6  # sampled, so every row is its own text
+    longer = torch.randint(3, 100, (5, 24), generator=torch.Generator().manual_seed(1))
+    shared = tmp_path / "shared.pt"
+    started = teacher_samples(teacher, longer, 4, seed=1, source="tiny", cache=shared, prompts="start")
+    continued = teacher_samples(teacher, longer, 4, seed=1, source="tiny", cache=shared)
+    assert (started[:, 0] == 1).all()  # the cache is keyed by the prompts: each kind samples its own
+    assert all(
+        any(torch.equal(r[:SAMPLE_PROMPT_TOKENS], p[:SAMPLE_PROMPT_TOKENS]) for p in longer)
+        for r in continued
+    )
+
+    teacher.generation_config.bos_token_id = None  # no BOS: start after the document separator
+    assert start_token(teacher) == teacher.generation_config.eos_token_id
+    teacher.generation_config.eos_token_id = None
+    with pytest.raises(ConfigError, match="neither: set one, or use prompts='rows'"):
+        teacher_samples(teacher, sequences, 2, seed=1, source="tiny", cache=tmp_path / "c", prompts="start")
+    with pytest.raises(ConfigError, match=r"prompts must be one of \('rows', 'start'\), got 'bos'"):
+        teacher_samples(teacher, sequences, 2, seed=1, source="tiny", cache=cache, prompts="bos")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -113,6 +113,10 @@ class SequenceSampler:
 SAMPLE_PROMPT_TOKENS = 16
 """Each teacher sample continues the first tokens of a real training row, so it starts in the text's
 domain; 16 tokens is enough for a 135M model to pick the register (verse, prose, documentation)."""
+TEACHER_PROMPTS = ("rows", "start")
+"""Where teacher samples start: `rows` continue a training row's first `SAMPLE_PROMPT_TOKENS` tokens
+(the training corpora's domains); `start` is sampled from the teacher's start-of-text token alone
+(its whole distribution: code, math, prose; LLM-QAT's data-free generation)."""
 SAMPLES_NAME = "teacher_samples.pt"
 _SAMPLE_BATCH = 64
 
@@ -128,15 +132,18 @@ def teacher_samples(
     cache: str | os.PathLike,
     device: torch.device | str | None = None,
     progress: bool = False,
+    prompts: str = "rows",
 ) -> torch.Tensor:
     """`[count, L]` rows sampled from the dense `teacher` (temperature 1): more text to distil on.
 
     The calibration splits hold few tokens (SmolLM2's three corpora: 1706 rows of 128), and a student
     distilled on them for several epochs matches the teacher twice as closely on them as on held-out
-    text. The teacher's own samples cost no data and cover its whole distribution, which is what
-    distillation should match (LLM-QAT's data-free distillation). Each row continues the first
-    `SAMPLE_PROMPT_TOKENS` tokens of a row of `sequences`, drawn with `seed`, to `L =
-    sequences.shape[1]` tokens (end-of-sequence suppressed, so no row is padded).
+    text. The teacher's own samples cost no data (LLM-QAT's data-free distillation). With `prompts=
+    "rows"` each row continues the first `SAMPLE_PROMPT_TOKENS` tokens of a row of `sequences`, drawn
+    with `seed`; with `"start"` it starts from the teacher's start-of-text token (its `bos_token_id`,
+    else its `eos_token_id`, the separator of packed documents), so the rows cover the teacher's
+    whole distribution rather than the training domains. Rows run to `L = sequences.shape[1]` tokens
+    (end-of-sequence suppressed, so no row is padded).
 
     The teacher samples on `device` (None: where it is) and is moved back afterwards: a recipe loads
     it on the CPU, and sampling a large model there would take hours where an accelerator has one.
@@ -147,25 +154,30 @@ def teacher_samples(
     """
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ConfigError(f"teacher_samples must be an int >= 0 (rows to sample), got {count!r}.")
+    if prompts not in TEACHER_PROMPTS:
+        raise ConfigError(f"teacher sample prompts must be one of {TEACHER_PROMPTS}, got {prompts!r}.")
     seq_len = sequences.shape[1]
-    if count and seq_len <= SAMPLE_PROMPT_TOKENS:
+    if count and prompts == "rows" and seq_len <= SAMPLE_PROMPT_TOKENS:
         raise ConfigError(
             f"Teacher samples continue a {SAMPLE_PROMPT_TOKENS}-token prompt: use seq_len > "
-            f"{SAMPLE_PROMPT_TOKENS} (got {seq_len}) or no teacher samples."
+            f"{SAMPLE_PROMPT_TOKENS} (got {seq_len}), prompts='start', or no teacher samples."
         )
     if count == 0:
         return sequences.new_empty((0, seq_len))
-    generator = torch.Generator().manual_seed(seed)
-    order = torch.cat(
-        [torch.randperm(len(sequences), generator=generator) for _ in range(-(-count // len(sequences)))]
-    )
-    prompts = sequences[order[:count], :SAMPLE_PROMPT_TOKENS]
+    if prompts == "rows":
+        generator = torch.Generator().manual_seed(seed)
+        order = torch.cat(
+            [torch.randperm(len(sequences), generator=generator) for _ in range(-(-count // len(sequences)))]
+        )
+        prompt_ids = sequences[order[:count], :SAMPLE_PROMPT_TOKENS]
+    else:
+        prompt_ids = torch.full((count, 1), start_token(teacher), dtype=torch.long)
     key = {
         "source": source,
         "seed": seed,
         "count": count,
         "seq_len": seq_len,
-        "prompts": fingerprint(prompts),
+        "prompts": fingerprint(prompt_ids),
     }
     cache = Path(cache)
     if cache.is_file():
@@ -182,8 +194,8 @@ def teacher_samples(
         temperature=1.0,
         top_k=0,
         top_p=1.0,
-        max_new_tokens=seq_len - SAMPLE_PROMPT_TOKENS,
-        min_new_tokens=seq_len - SAMPLE_PROMPT_TOKENS,  # suppresses the end of sequence: no padding
+        max_new_tokens=seq_len - prompt_ids.shape[1],
+        min_new_tokens=seq_len - prompt_ids.shape[1],  # suppresses the end of sequence: no padding
         eos_token_id=teacher.generation_config.eos_token_id,
         pad_token_id=teacher.generation_config.eos_token_id,
     )
@@ -198,7 +210,7 @@ def teacher_samples(
             for start in tqdm(
                 range(0, count, _SAMPLE_BATCH), desc="Sampling from the teacher", disable=not progress
             ):
-                batch = prompts[start : start + _SAMPLE_BATCH].to(device)
+                batch = prompt_ids[start : start + _SAMPLE_BATCH].to(device)
                 mask = torch.ones_like(batch)
                 rows.append(teacher.generate(batch, attention_mask=mask, generation_config=config).cpu())
     finally:
@@ -207,10 +219,25 @@ def teacher_samples(
     if samples.shape != (count, seq_len):
         raise ConfigError(
             f"The teacher's generate() returned rows of shape {tuple(samples.shape)}, not "
-            f"({count}, {seq_len}): it must return the prompt and seq_len - {SAMPLE_PROMPT_TOKENS} tokens."
+            f"({count}, {seq_len}): it must return the prompt and seq_len - {prompt_ids.shape[1]} tokens."
         )
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(f".{cache.name}.tmp")
     torch.save({"key": key, "rows": samples}, tmp)
     os.replace(tmp, cache)
     return samples
+
+
+def start_token(model: Any) -> int:
+    """The token a document starts after in `model`'s training text: its BOS, else its EOS (packed
+    pretraining text separates documents by it)."""
+    config = model.generation_config
+    for token in (config.bos_token_id, config.eos_token_id):
+        if isinstance(token, (list, tuple)):
+            token = token[0] if token else None
+        if token is not None:
+            return int(token)
+    raise ConfigError(
+        "Teacher samples from the start need the model's bos_token_id or eos_token_id, and its "
+        "generation_config has neither: set one, or use prompts='rows'."
+    )

@@ -56,6 +56,7 @@ from ..methods.selection import CATSSelection, DIPSelection, GLUSelection, Predi
 from ..methods.specs import parse_method_spec
 from ..store.fuse import ADAPTER_RECORD
 from ..workflows.fuse import fuse_adapter, fuse_pruned_checkpoint
+from .data import TEACHER_PROMPTS
 from .trainer import (
     DEFAULT_EVAL_CORPORA,
     TrainConfig,
@@ -282,6 +283,7 @@ class LoraOptions:
     train_texts: tuple[str, ...] = ()
     seq_len: int = 128
     teacher_samples: int = 0
+    teacher_prompts: str = "rows"
     mixed_precision: str = "no"
     fuse: bool = True
     evaluate: bool = True
@@ -302,6 +304,10 @@ class LoraOptions:
             raise ConfigError(f"seq_len must be >= 2, got {self.seq_len}.")
         if self.teacher_samples < 0:
             raise ConfigError(f"teacher_samples must be >= 0, got {self.teacher_samples}.")
+        if self.teacher_prompts not in TEACHER_PROMPTS:
+            raise ConfigError(
+                f"teacher_prompts must be one of {TEACHER_PROMPTS}, got {self.teacher_prompts!r}."
+            )
         if self.flash_config().method not in MASKED_MLPS:
             raise ConfigError(
                 f"LoRA recovery trains under the masks of {', '.join(MASKED_MLPS)}; {self.method!r} is not "
@@ -470,6 +476,7 @@ def run(
             cache=out / SAMPLES_NAME,
             device=accelerator.device,
             progress=options.progress and main,
+            prompts=options.teacher_prompts,
         )
     mask_mlps(model, store, flash_config)
     lora = LoraConfig(

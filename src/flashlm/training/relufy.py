@@ -68,6 +68,7 @@ from .activations import ZeroCounter, calibrate_thresholds, dense_activations, t
 from .checkpoints import (
     load_relufied,
 )
+from .data import TEACHER_PROMPTS
 from .trainer import (
     DEFAULT_EVAL_CORPORA,
     TrainConfig,
@@ -134,6 +135,7 @@ class RelufyOptions:
     train_texts: tuple[str, ...] = ()
     seq_len: int = 128
     teacher_samples: int = 0
+    teacher_prompts: str = "rows"
     mixed_precision: Literal["no", "bf16", "auto"] = "no"
     save_dtype: str = "auto"
     evaluate: bool = True
@@ -177,6 +179,10 @@ class RelufyOptions:
             raise ConfigError(f"seq_len must be >= 2, got {self.seq_len}.")
         if self.teacher_samples < 0:
             raise ConfigError(f"teacher_samples must be >= 0, got {self.teacher_samples}.")
+        if self.teacher_prompts not in TEACHER_PROMPTS:
+            raise ConfigError(
+                f"teacher_prompts must be one of {TEACHER_PROMPTS}, got {self.teacher_prompts!r}."
+            )
         for name in (self.eval_dtype, *(() if self.save_dtype == "auto" else (self.save_dtype,))):
             if not isinstance(getattr(torch, name, None), torch.dtype):
                 raise ConfigError(f"{name!r} is not a torch dtype (use float32, bfloat16 or float16).")
@@ -458,11 +464,12 @@ def run(
             cache=out / SAMPLES_NAME,
             device=accelerator.device,
             progress=options.progress and main,
+            prompts=options.teacher_prompts,
         )
     say(
         f"training on {sequences.shape[0]} sequences of {options.seq_len} tokens "
         f"({', '.join((*options.corpora, *options.train_texts))}) and {sampled.shape[0]} sampled from the "
-        "dense model"
+        f"dense model (prompts: {options.teacher_prompts})"
     )
     eval_dtype = _dtype(options.eval_dtype)
     measurements: dict[str, dict[str, Any]] = {}

@@ -57,7 +57,7 @@ from torch import nn
 from .._measurements import machine_key, median_seconds, recall, remember
 from ..data.corpora import DEFAULT_TRAIN_CORPORA
 from ..errors import ConfigError, FlashLMError
-from .data import SequenceSampler, fingerprint
+from .data import TEACHER_PROMPTS, SequenceSampler, fingerprint
 
 LOG_NAME = "log.jsonl"
 """One JSON object per optimizer step, in the trainer's output directory."""
@@ -316,6 +316,14 @@ def add_recipe_arguments(parser: argparse.ArgumentParser, *, outputs: str) -> No
         default=0,
         help="also train on this many sequences sampled from the dense model (default: 0)",
     )
+    p.add_argument(
+        "--teacher-prompts",
+        choices=TEACHER_PROMPTS,
+        default="rows",
+        help="where teacher samples start: 'rows' continue a training row's first tokens (the training "
+        "domains), 'start' samples from the model's start-of-text token (its whole distribution, "
+        "LLM-QAT's data-free text) (default: rows)",
+    )
 
 
 def recipe_options_from_args(args: argparse.Namespace) -> dict:
@@ -328,6 +336,7 @@ def recipe_options_from_args(args: argparse.Namespace) -> dict:
         "train_texts": tuple(args.train_texts),
         "seq_len": args.seq_len,
         "teacher_samples": args.teacher_samples,
+        "teacher_prompts": args.teacher_prompts,
         "mixed_precision": args.mixed_precision,
         "evaluate": args.evaluate,
         "eval_corpora": args.eval_corpora,
