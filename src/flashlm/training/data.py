@@ -154,8 +154,7 @@ def teacher_samples(
     """
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ConfigError(f"teacher_samples must be an int >= 0 (rows to sample), got {count!r}.")
-    if prompts not in TEACHER_PROMPTS:
-        raise ConfigError(f"teacher sample prompts must be one of {TEACHER_PROMPTS}, got {prompts!r}.")
+    check_teacher_prompts(prompts)
     seq_len = sequences.shape[1]
     if count and prompts == "rows" and seq_len <= SAMPLE_PROMPT_TOKENS:
         raise ConfigError(
@@ -226,6 +225,11 @@ def teacher_samples(
     torch.save({"key": key, "rows": samples}, tmp)
     os.replace(tmp, cache)
     return samples
+
+
+def check_teacher_prompts(prompts: str) -> None:
+    if prompts not in TEACHER_PROMPTS:
+        raise ConfigError(f"teacher_prompts must be one of {TEACHER_PROMPTS}, got {prompts!r}.")
 
 
 def start_token(model: Any) -> int:

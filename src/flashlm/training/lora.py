@@ -56,7 +56,7 @@ from ..methods.selection import CATSSelection, DIPSelection, GLUSelection, Predi
 from ..methods.specs import parse_method_spec
 from ..store.fuse import ADAPTER_RECORD
 from ..workflows.fuse import fuse_adapter, fuse_pruned_checkpoint
-from .data import TEACHER_PROMPTS
+from .data import check_teacher_prompts
 from .trainer import (
     DEFAULT_EVAL_CORPORA,
     TrainConfig,
@@ -304,10 +304,7 @@ class LoraOptions:
             raise ConfigError(f"seq_len must be >= 2, got {self.seq_len}.")
         if self.teacher_samples < 0:
             raise ConfigError(f"teacher_samples must be >= 0, got {self.teacher_samples}.")
-        if self.teacher_prompts not in TEACHER_PROMPTS:
-            raise ConfigError(
-                f"teacher_prompts must be one of {TEACHER_PROMPTS}, got {self.teacher_prompts!r}."
-            )
+        check_teacher_prompts(self.teacher_prompts)
         if self.flash_config().method not in MASKED_MLPS:
             raise ConfigError(
                 f"LoRA recovery trains under the masks of {', '.join(MASKED_MLPS)}; {self.method!r} is not "

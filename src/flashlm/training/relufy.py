@@ -68,7 +68,7 @@ from .activations import ZeroCounter, calibrate_thresholds, dense_activations, t
 from .checkpoints import (
     load_relufied,
 )
-from .data import TEACHER_PROMPTS
+from .data import check_teacher_prompts
 from .trainer import (
     DEFAULT_EVAL_CORPORA,
     TrainConfig,
@@ -179,10 +179,7 @@ class RelufyOptions:
             raise ConfigError(f"seq_len must be >= 2, got {self.seq_len}.")
         if self.teacher_samples < 0:
             raise ConfigError(f"teacher_samples must be >= 0, got {self.teacher_samples}.")
-        if self.teacher_prompts not in TEACHER_PROMPTS:
-            raise ConfigError(
-                f"teacher_prompts must be one of {TEACHER_PROMPTS}, got {self.teacher_prompts!r}."
-            )
+        check_teacher_prompts(self.teacher_prompts)
         for name in (self.eval_dtype, *(() if self.save_dtype == "auto" else (self.save_dtype,))):
             if not isinstance(getattr(torch, name, None), torch.dtype):
                 raise ConfigError(f"{name!r} is not a torch dtype (use float32, bfloat16 or float16).")
