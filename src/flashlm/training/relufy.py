@@ -135,7 +135,7 @@ class RelufyOptions:
     train_texts: tuple[str, ...] = ()
     seq_len: int = 128
     teacher_samples: int = 0
-    teacher_prompts: str = "rows"
+    teacher_prompts: Literal["rows", "start"] = "rows"
     mixed_precision: Literal["no", "bf16", "auto"] = "no"
     save_dtype: str = "auto"
     evaluate: bool = True
