@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import build_tiny_model
@@ -13,7 +15,9 @@ from flashlm.arch import find_mlps, model_type_of, spec_for
 from flashlm.errors import ConfigError
 from flashlm.training.activations import (
     ZeroCounter,
+    allocate_zeros,
     calibrate_thresholds,
+    cheapest_levels,
     dense_activations,
     threshold_ramp,
     zero_fractions,
@@ -138,6 +142,57 @@ def test_calibrated_thresholds_hit_the_target_in_the_first_layer():
     assert per_layer[0] == pytest.approx(0.8, abs=0.01)
     with pytest.raises(ConfigError, match=r"\(0, 1\)"):
         calibrate_thresholds(model, ids, 1.5)
+
+
+def test_cheapest_levels_match_brute_force_on_small_instances():
+    generator = torch.Generator().manual_seed(0)
+    levels = [0.6, 0.7, 0.75, 0.8, 0.9]
+    for trial in range(24):
+        layers = 1 + trial % 4
+        mean = (0.6, 0.72, 0.75, 0.8, 0.85, 0.9)[trial % 6]
+        costs = torch.rand(layers, len(levels), generator=generator).tolist()
+        picks = cheapest_levels(costs, levels, mean)
+
+        def cost(choice: tuple[int, ...], costs: list[list[float]] = costs) -> float:
+            return sum(costs[layer][i] for layer, i in enumerate(choice))
+
+        feasible = [
+            choice
+            for choice in itertools.product(range(len(levels)), repeat=layers)
+            if sum(levels[i] for i in choice) >= layers * mean - 1e-9
+        ]
+        assert len(picks) == layers and sum(levels[i] for i in picks) >= layers * mean - 1e-9
+        assert cost(tuple(picks)) == pytest.approx(min(cost(choice) for choice in feasible))
+    with pytest.raises(ConfigError, match=r"averages 0.8 zeros: add a higher level"):
+        cheapest_levels([[0.0, 1.0], [0.0, 1.0]], [0.6, 0.7], 0.8)
+
+
+@pytest.mark.parametrize("sensitive", [0, 1])
+def test_allocate_zeros_gives_the_sensitive_layer_fewer(sensitive):
+    model = build_tiny_model("llama")
+    # the sensitive layer's MLP output dominates its residual stream, so its zeros move the logits more
+    activations(model)[sensitive].owner.down_proj.weight.data.mul_(50)
+    ids = _ids(model, 512)
+    before = _logits(model, ids[:64])
+    allocation = allocate_zeros(
+        model, ids, 0.75, levels=(0.6, 0.9), context_length=64, num_tokens=512, sensitivity_tokens=128
+    )
+    assert allocation.levels == [0.6, 0.9] and allocation.mean_target == pytest.approx(0.75)
+    assert allocation.targets[sensitive] == 0.6 and allocation.targets[1 - sensitive] == 0.9
+    costs = allocation.costs
+    assert all(cost > 0 for layer in costs for cost in layer)  # KL divergences from the dense model
+    assert costs[sensitive][1] - costs[sensitive][0] > costs[1 - sensitive][1] - costs[1 - sensitive][0]
+    # each layer's threshold is its chosen quantile over all the windows, as calibrate_thresholds gives
+    for layer, target in enumerate(allocation.targets):
+        assert (
+            allocation.thresholds[layer]
+            == calibrate_thresholds(model, ids, target, context_length=64, num_tokens=512)[layer]
+        )
+    # the model comes back as it was: its own activations, the same logits
+    assert not is_relufied(model) and not any(isinstance(a.module, FATReLU) for a in activations(model))
+    assert torch.equal(_logits(model, ids[:64]), before)
+    with pytest.raises(ConfigError, match=r"Zero levels must lie in \(0, 1\)"):
+        allocate_zeros(model, ids, 0.75, levels=(0.6, 1.0), context_length=64, num_tokens=512)
 
 
 def test_threshold_ramp_grows_the_thresholds_from_relu_to_theirs():

@@ -22,6 +22,7 @@ from flashlm.activations import FATReLU, activations, relufy
 from flashlm.cli.main import main as flashlm_main
 from flashlm.data.corpora import CorpusNotFoundError, corpus_tokens, require
 from flashlm.errors import ConfigError, RelufiedCheckpointError
+from flashlm.training.activations import ZERO_LEVELS
 from flashlm.training.checkpoints import NotRelufiedError, load_checkpoint, load_relufied
 from flashlm.training.data import SAMPLES_NAME, pack, start_token
 from flashlm.training.relufy import (
@@ -29,6 +30,7 @@ from flashlm.training.relufy import (
     MODEL_DIR,
     RECORD_NAME,
     REPORT_NAME,
+    THRESHOLDS_NAME,
     TRAIN_DIR,
     RelufyOptions,
     cast_parameters,
@@ -205,6 +207,36 @@ def test_the_recipe_relufies_trains_saves_and_measures(tiny_dir, tmp_path, capsy
     assert len(read_log(out / TRAIN_DIR / LOG_NAME)) == 6
 
 
+def test_zeros_allocated_by_sensitivity_average_the_target_and_are_kept(tiny_dir, tmp_path, capsys):
+    _require_corpus()
+    out = tmp_path / "out"
+    extra = ("--mode", "full", "--target-zeros", "0.75", "--zero-allocation", "sensitivity", "--no-eval")
+    argv = _common(tiny_dir, out, steps=2, extra=extra)
+    assert main(argv) == 0
+    saved = json.loads((out / THRESHOLDS_NAME).read_text())
+    assert saved["zero_allocation"] == "sensitivity" and saved["target_zeros"] == 0.75
+    assert saved["levels"] == list(ZERO_LEVELS) and len(saved["costs"]) == len(saved["layer_targets"]) == 2
+    assert set(saved["layer_targets"]) <= set(ZERO_LEVELS) and sum(saved["layer_targets"]) / 2 >= 0.75
+    assert "zeros per layer by sensitivity" in capsys.readouterr().err
+    model = load_relufied(out / MODEL_DIR)
+    assert [a.module.threshold for a in activations(model)] == pytest.approx(saved["thresholds"])
+    # the uniform allocation of the same target is another choice: it is calibrated anew, not reused
+    uniform = _common(tiny_dir, tmp_path / "uniform", steps=2, extra=(*extra[:4], "--no-eval"))
+    assert main(uniform) == 0
+    recorded = json.loads((tmp_path / "uniform" / THRESHOLDS_NAME).read_text())
+    assert recorded["zero_allocation"] == "uniform" and "layer_targets" not in recorded
+    shutil.copy(out / THRESHOLDS_NAME, tmp_path / "uniform" / THRESHOLDS_NAME)
+    shutil.rmtree(tmp_path / "uniform" / TRAIN_DIR)
+    assert main(uniform) == 0
+    assert json.loads((tmp_path / "uniform" / THRESHOLDS_NAME).read_text()) == recorded
+    with pytest.raises(ConfigError, match="shares out target_zeros"):
+        RelufyOptions(
+            output_dir=tmp_path / "z", threshold=0.1, target_zeros=None, zero_allocation="sensitivity"
+        )
+    with pytest.raises(ConfigError, match=r"zero_allocation must be one of uniform, sensitivity"):
+        RelufyOptions(output_dir=tmp_path / "z", zero_allocation="greedy")
+
+
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_mlp_targets_train_the_mlp_projections_alone(tiny_dir, tmp_path, mode):
     _require_corpus()
@@ -249,6 +281,7 @@ def test_flashlm_train_relufy_on_the_command_line(tiny_dir, tmp_path, capsys):
     for bad, says in (
         (("--threshold-ramp", "7"), "longer than training"),
         (("--activation", "relu", "--threshold-ramp", "2"), "no threshold to ramp"),
+        (("--activation", "relu", "--zero-allocation", "sensitivity"), "shares out target_zeros"),
     ):
         assert flashlm_main(["train", "relufy", *_common(tiny_dir, tmp_path / "y"), *bad]) == 2
         assert says in capsys.readouterr().err

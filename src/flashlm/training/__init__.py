@@ -11,6 +11,7 @@ It builds on everything below it (`flashlm.arch` to find the MLPs, `flashlm.data
   log per step. Runs unchanged in one process or under `accelerate launch`.
 - `data`: corpus splits packed into fixed-length training sequences; a stateless sampler.
 - `activations`: `dense_activations` (swap back, for an in-place teacher), `calibrate_thresholds`,
+  `allocate_zeros` (per-layer zero fractions by sensitivity, a `ZeroAllocation`),
   exact-zero counting (`ZeroCounter`); and, re-exported from `flashlm.activations`, `FATReLU` and
   `relufy` (swap every MLP activation).
 - `relufy`: the relufication recipe (`python -m flashlm.training.relufy`, `flashlm train relufy`) and
@@ -23,7 +24,14 @@ It builds on everything below it (`flashlm.arch` to find the MLPs, `flashlm.data
 from __future__ import annotations
 
 from ..activations import FATReLU, relufy
-from .activations import ZeroCounter, calibrate_thresholds, dense_activations, zero_fractions
+from .activations import (
+    ZeroAllocation,
+    ZeroCounter,
+    allocate_zeros,
+    calibrate_thresholds,
+    dense_activations,
+    zero_fractions,
+)
 from .trainer import (
     ModelTeacher,
     ResumeMismatchError,
@@ -42,7 +50,9 @@ __all__ = [
     "TrainResult",
     "Trainer",
     "TrainingError",
+    "ZeroAllocation",
     "ZeroCounter",
+    "allocate_zeros",
     "calibrate_thresholds",
     "dense_activations",
     "distillation_loss",

@@ -4,6 +4,9 @@
   student computes its dense teacher's logits with the same weights (adapters disabled as well).
 - `calibrate_thresholds(model, ids, target)`: per-layer thresholds at the `target` quantile of the
   gate pre-activations on calibration text, so each layer starts with `target` of its outputs zero.
+- `allocate_zeros(model, ids, mean_target)`: per-layer zero fractions with that mean, fewer where a
+  layer's zeros cost the model more (each layer's cost measured with it alone relufied), and their
+  thresholds.
 - `threshold_ramp(model, thresholds, steps)`: a trainer hook that grows the FATReLU thresholds from
   0 (ReLU) to `thresholds` over the first `steps` optimizer steps.
 - `ZeroCounter` / `zero_fractions`: forward hooks on the activation modules that count exact zeros
@@ -13,7 +16,9 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,6 +68,60 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 @torch.no_grad()
+def _gate_inputs(
+    model: nn.Module, windows: torch.Tensor, sample: int, generator: torch.Generator
+) -> list[torch.Tensor]:
+    """About `sample` of each layer's activation inputs (the gate pre-activations) over `windows`, by
+    layer: a seeded random subset, because a stride could alias onto a few neurons."""
+    found = activations(model)
+    per_call = -(-sample // windows.shape[0])
+    collected: dict[int, list[torch.Tensor]] = {act.layer: [] for act in found}
+
+    def keep(layer: int, values: torch.Tensor) -> None:
+        values = values.detach().float().flatten().cpu()
+        if values.numel() > per_call:
+            values = values[torch.randint(values.numel(), (per_call,), generator=generator)]
+        collected[layer].append(values)
+
+    handles = [
+        act.module.register_forward_hook(lambda module, args, output, layer=act.layer: keep(layer, args[0]))
+        for act in found
+    ]
+    try:
+        for _ in _window_logits(model, windows):
+            pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [torch.cat(collected[act.layer]) for act in found]
+
+
+def _window_logits(model: nn.Module, windows: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The logits of each window, run one at a time in eval mode (the mode is restored after)."""
+    was_training = model.training
+    model.eval()
+    device = _device_of(model)
+    try:
+        for window in windows:
+            yield model(input_ids=window.unsqueeze(0).to(device), use_cache=False).logits[0]
+    finally:
+        model.train(was_training)
+
+
+def _quantile_thresholds(inputs: Sequence[torch.Tensor], target: float) -> list[float]:
+    """Each layer's `target` quantile of its sampled inputs, floored at 0 (already that negative: ReLU)."""
+    thresholds = []
+    for values in inputs:
+        k = min(values.numel(), max(1, round(target * values.numel())))
+        thresholds.append(max(0.0, torch.kthvalue(values, k).values.item()))
+    return thresholds
+
+
+def _check_target(target: float) -> None:
+    if not 0 < target < 1:
+        raise ConfigError(f"The target zero fraction must be in (0, 1), got {target}.")
+
+
 def calibrate_thresholds(
     model: nn.Module,
     ids: torch.Tensor,
@@ -80,40 +139,115 @@ def calibrate_thresholds(
     their 80th percentile anywhere between 0.1 and 1.0 depending on the layer. About `sample` values
     per layer (a seeded random subset) enter the quantile, bounding the memory.
     """
-    if not 0 < target < 1:
-        raise ConfigError(f"The target zero fraction must be in (0, 1), got {target}.")
-    found = activations(model)
+    _check_target(target)
     windows = _windows(ids, context_length, num_tokens)
-    per_call = -(-sample // windows.shape[0])
-    generator = torch.Generator().manual_seed(0)
-    collected: dict[int, list[torch.Tensor]] = {act.layer: [] for act in found}
+    inputs = _gate_inputs(model, windows, sample, torch.Generator().manual_seed(0))
+    return _quantile_thresholds(inputs, target)
 
-    def keep(layer: int, values: torch.Tensor) -> None:
-        values = values.detach().float().flatten().cpu()
-        if values.numel() > per_call:  # a random subset: a stride could alias onto a few neurons
-            values = values[torch.randint(values.numel(), (per_call,), generator=generator)]
-        collected[layer].append(values)
 
-    handles = [
-        act.module.register_forward_hook(lambda module, args, output, layer=act.layer: keep(layer, args[0]))
-        for act in found
-    ]
-    was_training = model.training
-    model.eval()
-    try:
-        device = _device_of(model)
-        for window in windows:
-            model(input_ids=window.unsqueeze(0).to(device), use_cache=False)
-    finally:
-        model.train(was_training)
-        for handle in handles:
-            handle.remove()
-    thresholds = []
-    for act in found:
-        values = torch.cat(collected[act.layer])
-        k = min(values.numel(), max(1, round(target * values.numel())))
-        thresholds.append(max(0.0, torch.kthvalue(values.cpu(), k).values.item()))
-    return thresholds
+ZERO_LEVELS = (0.6, 0.7, 0.75, 0.8, 0.85, 0.9)
+"""The zero fractions a layer may get in `allocate_zeros` unless told."""
+
+
+@dataclass(frozen=True)
+class ZeroAllocation:
+    """Per-layer zero fractions chosen by `allocate_zeros`, their thresholds, and the costs behind them.
+
+    `costs[layer][i]` is the mean KL divergence (nats per token) of the model's next-token
+    distribution from the dense one's with FATReLU at `levels[i]` zeros on that layer alone.
+    """
+
+    targets: list[float]
+    thresholds: list[float]
+    levels: list[float]
+    costs: list[list[float]]
+
+    @property
+    def mean_target(self) -> float:
+        return sum(self.targets) / len(self.targets)
+
+
+def cheapest_levels(
+    costs: Sequence[Sequence[float]], levels: Sequence[float], mean_target: float
+) -> list[int]:
+    """The index of a level for each layer that minimizes the summed cost with levels averaging at least
+    `mean_target`: an exact multiple-choice knapsack, by dynamic programming over the zero fraction
+    reached so far (in thousandths, capped at the need)."""
+    units = [round(level * 1000) for level in levels]
+    need = math.ceil(len(costs) * mean_target * 1000 - 1e-6)
+    if max(units) * len(costs) < need:
+        raise ConfigError(
+            f"No choice of the levels {list(levels)} averages {mean_target} zeros: add a higher level."
+        )
+    best = {0: (0.0, [])}  # zero units reached (capped at `need`) -> (cost, level indices)
+    for layer_costs in costs:
+        step: dict[int, tuple[float, list[int]]] = {}
+        for reached, (cost, picks) in best.items():
+            for index, (unit, level_cost) in enumerate(zip(units, layer_costs, strict=True)):
+                key = min(need, reached + unit)
+                candidate = cost + level_cost
+                if key not in step or candidate < step[key][0]:
+                    step[key] = (candidate, [*picks, index])
+        best = step
+    return best[need][1]
+
+
+@torch.no_grad()
+def allocate_zeros(
+    model: nn.Module,
+    ids: torch.Tensor,
+    mean_target: float,
+    *,
+    levels: Sequence[float] = ZERO_LEVELS,
+    context_length: int = 256,
+    num_tokens: int | None = 4096,
+    sensitivity_tokens: int = 1024,
+    sample: int = 1 << 20,
+    progress: bool = False,
+) -> ZeroAllocation:
+    """Per-layer zero fractions averaging at least `mean_target`, fewer where a layer's zeros cost more.
+
+    Each layer's cost at each of `levels` is measured with that layer alone relufied (FATReLU at the
+    level's threshold, every other layer dense): the mean KL divergence from the dense model's
+    next-token distribution over the first `sensitivity_tokens` of the windows. The choice minimizes
+    the summed costs (`cheapest_levels`), which treats the layers' costs as adding up. The
+    thresholds are the chosen quantiles of each layer's inputs over all of `ids`'s windows, as in
+    `calibrate_thresholds`. A layer's cost also holds what replacing its activation by a ReLU shape
+    costs at any level; that part is the same for every choice of that layer, so it moves nothing.
+    """
+    from tqdm.auto import tqdm
+
+    _check_target(mean_target)
+    levels = sorted(float(level) for level in levels)
+    if not levels or not all(0 < level < 1 for level in levels):
+        raise ConfigError(f"Zero levels must lie in (0, 1), got {levels}.")
+    windows = _windows(ids, context_length, num_tokens)
+    inputs = _gate_inputs(model, windows, sample, torch.Generator().manual_seed(0))
+    by_level = [_quantile_thresholds(inputs, level) for level in levels]
+    scored = _windows(windows.reshape(-1), context_length, sensitivity_tokens)
+    dense = [logits.float().log_softmax(-1) for logits in _window_logits(model, scored)]
+
+    found = activations(model)
+    costs = [[0.0] * len(levels) for _ in found]
+    pairs = [(act, i) for act in found for i in range(len(levels))]
+    for act, i in tqdm(pairs, desc="Zero cost per layer and level", unit="run", disable=not progress):
+        original = act.module
+        setattr(act.owner, act.attribute, FATReLU(by_level[i][act.layer]))
+        try:
+            kl = sum(
+                float((reference.exp() * (reference - logits.float().log_softmax(-1))).sum())
+                for reference, logits in zip(dense, _window_logits(model, scored), strict=True)
+            )
+        finally:
+            setattr(act.owner, act.attribute, original)
+        costs[act.layer][i] = kl / scored.numel()
+    picks = cheapest_levels(costs, levels, mean_target)
+    return ZeroAllocation(
+        targets=[levels[i] for i in picks],
+        thresholds=[by_level[i][layer] for layer, i in enumerate(picks)],
+        levels=levels,
+        costs=costs,
+    )
 
 
 def threshold_ramp(model: nn.Module, thresholds: Sequence[float], steps: int) -> Callable[[int], None]:

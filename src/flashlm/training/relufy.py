@@ -13,8 +13,10 @@ PowerInfer; Mirzadeh et al.), in steps:
    model (`data.teacher_samples`).
 2. Pick the thresholds: ReLU (0), one FATReLU threshold for every layer (`threshold`), or, by
    default, per-layer thresholds at the `target_zeros` quantile of each layer's gate pre-activations
-   on calibration text (`activations.calibrate_thresholds`). They are kept in `OUT/thresholds.json`,
-   so a resumed run uses exactly the same ones.
+   on calibration text (`activations.calibrate_thresholds`). With `zero_allocation="sensitivity"`
+   the layers' zero fractions differ, averaging `target_zeros`: fewer where a layer's zeros cost
+   the model more, each layer's cost measured with it alone relufied (`activations.allocate_zeros`).
+   They are kept in `OUT/thresholds.json`, so a resumed run uses exactly the same ones.
 3. Replace every MLP activation by FATReLU (`activations.relufy`), found through `flashlm.arch`.
    With `threshold_ramp`, training starts at ReLU and the thresholds grow linearly to theirs over
    that many steps (`activations.threshold_ramp`, ProSparse's progressive sparsity).
@@ -64,7 +66,13 @@ from torch import nn
 from ..activations import FATRELU, RELU, relufy
 from ..data.corpora import DEFAULT_TRAIN_CORPORA
 from ..errors import ConfigError, FlashLMError
-from .activations import ZeroCounter, calibrate_thresholds, dense_activations, threshold_ramp
+from .activations import (
+    ZeroCounter,
+    allocate_zeros,
+    calibrate_thresholds,
+    dense_activations,
+    threshold_ramp,
+)
 from .checkpoints import (
     load_relufied,
 )
@@ -85,6 +93,7 @@ MODEL_DIR = "model"
 TRAIN_DIR = "train"
 REPORT_NAME = "report.json"
 THRESHOLDS_NAME = "thresholds.json"
+ZERO_ALLOCATIONS = ("uniform", "sensitivity")
 RECORD_NAME = "relufication.json"
 """Beside the saved checkpoint's config.json: how it was made and what was measured."""
 
@@ -111,11 +120,12 @@ class RelufyOptions:
     """The recipe's choices (the trainer's are a `TrainConfig`).
 
     `activation="relu"` uses threshold 0 everywhere; `"fatrelu"` uses `threshold` for every layer if
-    given, else per-layer thresholds calibrated to `target_zeros`. `teacher=None` picks `"shared"`
-    for LoRA and `"copy"` for a full fine-tune (the only valid one there). `targets="mlp"` trains the
-    MLP's projections alone (LoRA on them, or their weights), so attention keeps the dense model's
-    use of context. `save_dtype="auto"` saves in the source checkpoint's dtype. Evaluation runs in
-    `eval_dtype` for every model compared.
+    given, else per-layer thresholds calibrated to `target_zeros` in every layer
+    (`zero_allocation="uniform"`) or on average, by sensitivity (`"sensitivity"`). `teacher=None`
+    picks `"shared"` for LoRA and `"copy"` for a full fine-tune (the only valid one there).
+    `targets="mlp"` trains the MLP's projections alone (LoRA on them, or their weights), so attention
+    keeps the dense model's use of context. `save_dtype="auto"` saves in the source checkpoint's
+    dtype. Evaluation runs in `eval_dtype` for every model compared.
     """
 
     output_dir: str | os.PathLike
@@ -124,6 +134,7 @@ class RelufyOptions:
     threshold: float | None = None
     target_zeros: float | None = 0.82
     threshold_tokens: int = 4096
+    zero_allocation: Literal["uniform", "sensitivity"] = "uniform"
     threshold_ramp: int = 0
     mode: Literal["lora", "full"] = "lora"
     lora_rank: int = 32
@@ -156,6 +167,15 @@ class RelufyOptions:
             raise ConfigError("FATReLU needs a threshold or a target zero fraction (target_zeros).")
         if self.target_zeros is not None and not 0 < self.target_zeros < 1:
             raise ConfigError(f"target_zeros must be in (0, 1), got {self.target_zeros}.")
+        if self.zero_allocation not in ZERO_ALLOCATIONS:
+            raise ConfigError(
+                f"zero_allocation must be one of {', '.join(ZERO_ALLOCATIONS)}, got {self.zero_allocation!r}."
+            )
+        if self.zero_allocation != "uniform" and self.target_zeros is None:
+            raise ConfigError(
+                f"zero_allocation={self.zero_allocation!r} shares out target_zeros among the layers: give "
+                "target_zeros (not one threshold, not ReLU)."
+            )
         if self.threshold_ramp < 0:
             raise ConfigError(f"threshold_ramp must be >= 0 steps, got {self.threshold_ramp}.")
         if self.threshold_ramp and self.activation == RELU:
@@ -362,7 +382,11 @@ def target_linears(model: nn.Module, which: str) -> list[str]:
 
 
 def _thresholds(
-    options: RelufyOptions, model: nn.Module, sequences: torch.Tensor, accelerator: Any
+    options: RelufyOptions,
+    model: nn.Module,
+    sequences: torch.Tensor,
+    accelerator: Any,
+    say: Callable[[str], None],
 ) -> list[float]:
     """The thresholds of this run: reused from `OUT/thresholds.json` when a previous start wrote them."""
     from accelerate.utils import broadcast_object_list
@@ -379,22 +403,49 @@ def _thresholds(
     if accelerator.is_main_process:
         if path.is_file():
             saved = json.loads(path.read_text())
-            if saved.get("target_zeros") == options.target_zeros and len(saved["thresholds"]) == layers:
+            if (
+                saved.get("target_zeros") == options.target_zeros
+                and saved.get("zero_allocation", "uniform") == options.zero_allocation
+                and len(saved["thresholds"]) == layers
+            ):
                 holder[0] = saved["thresholds"]
         if holder[0] is None:
             ids = sequences.reshape(-1)[: options.threshold_tokens]
-            holder[0] = calibrate_thresholds(
-                model,
-                ids,
-                options.target_zeros,
-                context_length=options.seq_len,
-                num_tokens=options.threshold_tokens,
-            )
+            record: dict[str, Any] = {
+                "target_zeros": options.target_zeros,
+                "zero_allocation": options.zero_allocation,
+            }
+            if options.zero_allocation == "sensitivity":
+                allocation = allocate_zeros(
+                    model,
+                    ids,
+                    options.target_zeros,
+                    context_length=options.seq_len,
+                    num_tokens=options.threshold_tokens,
+                    progress=options.progress,
+                )
+                say(
+                    f"zeros per layer by sensitivity (mean {allocation.mean_target:.3f}): "
+                    + " ".join(f"{target:g}" for target in allocation.targets)
+                )
+                record.update(
+                    thresholds=allocation.thresholds,
+                    layer_targets=allocation.targets,
+                    levels=allocation.levels,
+                    costs=allocation.costs,
+                )
+            else:
+                record["thresholds"] = calibrate_thresholds(
+                    model,
+                    ids,
+                    options.target_zeros,
+                    context_length=options.seq_len,
+                    num_tokens=options.threshold_tokens,
+                )
+            holder[0] = record["thresholds"]
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text(
-                json.dumps({"target_zeros": options.target_zeros, "thresholds": holder[0]}, indent=2)
-            )
+            tmp.write_text(json.dumps(record, indent=2))
             os.replace(tmp, path)
     if accelerator.num_processes > 1:
         broadcast_object_list(holder)
@@ -487,7 +538,7 @@ def run(
         )
 
     evaluate("dense", model)
-    thresholds = _thresholds(options, model, sequences, accelerator)
+    thresholds = _thresholds(options, model, sequences, accelerator, say)
     relufy(model, thresholds)
     evaluate("relufied, not trained", model)
     accelerator.wait_for_everyone()
@@ -632,6 +683,13 @@ def build_parser(prog: str = "python -m flashlm.training.relufy") -> argparse.Ar
         "activations on calibration text (default: 0.82)",
     )
     p.add_argument(
+        "--zero-allocation",
+        choices=ZERO_ALLOCATIONS,
+        default="uniform",
+        help="uniform: --target-zeros in every layer; sensitivity: --target-zeros on average, fewer zeros "
+        "in the layers where they cost the model most (each layer measured alone; default: uniform)",
+    )
+    p.add_argument(
         "--threshold-ramp",
         type=int,
         default=0,
@@ -677,6 +735,7 @@ def options_from_args(args: argparse.Namespace) -> tuple[RelufyOptions, TrainCon
         activation=args.activation,
         threshold=args.threshold,
         target_zeros=None if args.threshold is not None or args.activation == RELU else args.target_zeros,
+        zero_allocation=args.zero_allocation,
         threshold_ramp=args.threshold_ramp,
         mode=args.mode,
         lora_rank=args.lora_rank,
