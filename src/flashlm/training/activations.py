@@ -227,12 +227,13 @@ def allocate_zeros(
     scored = _windows(windows.reshape(-1), context_length, sensitivity_tokens)
     dense = [logits.float().log_softmax(-1) for logits in _window_logits(model, scored)]
 
-    found = activations(model)
+    found = activations(model)  # in the order of `inputs`, so a layer's position indexes both
     costs = [[0.0] * len(levels) for _ in found]
-    pairs = [(act, i) for act in found for i in range(len(levels))]
-    for act, i in tqdm(pairs, desc="Zero cost per layer and level", unit="run", disable=not progress):
+    runs = [(layer, i) for layer in range(len(found)) for i in range(len(levels))]
+    for layer, i in tqdm(runs, desc="Zero cost per layer and level", unit="run", disable=not progress):
+        act = found[layer]
         original = act.module
-        setattr(act.owner, act.attribute, FATReLU(by_level[i][act.layer]))
+        setattr(act.owner, act.attribute, FATReLU(by_level[i][layer]))
         try:
             kl = sum(
                 float((reference.exp() * (reference - logits.float().log_softmax(-1))).sum())
@@ -240,7 +241,7 @@ def allocate_zeros(
             )
         finally:
             setattr(act.owner, act.attribute, original)
-        costs[act.layer][i] = kl / scored.numel()
+        costs[layer][i] = kl / scored.numel()
     picks = cheapest_levels(costs, levels, mean_target)
     return ZeroAllocation(
         targets=[levels[i] for i in picks],
