@@ -411,18 +411,14 @@ def _thresholds(
                 holder[0] = saved["thresholds"]
         if holder[0] is None:
             ids = sequences.reshape(-1)[: options.threshold_tokens]
+            windows = {"context_length": options.seq_len, "num_tokens": options.threshold_tokens}
             record: dict[str, Any] = {
                 "target_zeros": options.target_zeros,
                 "zero_allocation": options.zero_allocation,
             }
             if options.zero_allocation == "sensitivity":
                 allocation = allocate_zeros(
-                    model,
-                    ids,
-                    options.target_zeros,
-                    context_length=options.seq_len,
-                    num_tokens=options.threshold_tokens,
-                    progress=options.progress,
+                    model, ids, options.target_zeros, progress=options.progress, **windows
                 )
                 say(
                     f"zeros per layer by sensitivity (mean {allocation.mean_target:.3f}): "
@@ -435,13 +431,7 @@ def _thresholds(
                     costs=allocation.costs,
                 )
             else:
-                record["thresholds"] = calibrate_thresholds(
-                    model,
-                    ids,
-                    options.target_zeros,
-                    context_length=options.seq_len,
-                    num_tokens=options.threshold_tokens,
-                )
+                record["thresholds"] = calibrate_thresholds(model, ids, options.target_zeros, **windows)
             holder[0] = record["thresholds"]
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")
