@@ -163,8 +163,9 @@ def test_cheapest_levels_match_brute_force_on_small_instances():
         ]
         assert len(picks) == layers and sum(levels[i] for i in picks) >= layers * mean - 1e-9
         assert cost(tuple(picks)) == pytest.approx(min(cost(choice) for choice in feasible))
-    with pytest.raises(ConfigError, match=r"averages 0.8 zeros: add a higher level"):
-        cheapest_levels([[0.0, 1.0], [0.0, 1.0]], [0.6, 0.7], 0.8)
+    for unreachable in (0.8, 0.5):  # above every level, below every level
+        with pytest.raises(ConfigError, match=rf"cannot average {unreachable}: choose levels on both sides"):
+            cheapest_levels([[0.0, 1.0], [0.0, 1.0]], [0.6, 0.7], unreachable)
 
 
 @pytest.mark.parametrize("sensitive", [0, 1])

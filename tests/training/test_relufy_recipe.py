@@ -233,6 +233,8 @@ def test_zeros_allocated_by_sensitivity_average_the_target_and_are_kept(tiny_dir
         RelufyOptions(
             output_dir=tmp_path / "z", threshold=0.1, target_zeros=None, zero_allocation="sensitivity"
         )
+    with pytest.raises(ConfigError, match=r"give target_zeros in \[0.6, 0.9\]"):
+        RelufyOptions(output_dir=tmp_path / "z", target_zeros=0.95, zero_allocation="sensitivity")
     with pytest.raises(ConfigError, match=r"zero_allocation must be one of uniform, sensitivity"):
         RelufyOptions(output_dir=tmp_path / "z", zero_allocation="greedy")
 

@@ -175,9 +175,9 @@ def cheapest_levels(
     reached so far (in thousandths, capped at the need)."""
     units = [round(level * 1000) for level in levels]
     need = math.ceil(len(costs) * mean_target * 1000 - 1e-6)
-    if max(units) * len(costs) < need:
+    if not min(units) <= need / len(costs) <= max(units):
         raise ConfigError(
-            f"No choice of the levels {list(levels)} averages {mean_target} zeros: add a higher level."
+            f"The zero levels {list(levels)} cannot average {mean_target}: choose levels on both sides of it."
         )
     best = {0: (0.0, [])}  # zero units reached (capped at `need`) -> (cost, level indices)
     for layer_costs in costs:

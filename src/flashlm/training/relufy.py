@@ -67,6 +67,7 @@ from ..activations import FATRELU, RELU, relufy
 from ..data.corpora import DEFAULT_TRAIN_CORPORA
 from ..errors import ConfigError, FlashLMError
 from .activations import (
+    ZERO_LEVELS,
     ZeroCounter,
     allocate_zeros,
     calibrate_thresholds,
@@ -171,10 +172,13 @@ class RelufyOptions:
             raise ConfigError(
                 f"zero_allocation must be one of {', '.join(ZERO_ALLOCATIONS)}, got {self.zero_allocation!r}."
             )
-        if self.zero_allocation != "uniform" and self.target_zeros is None:
+        if self.zero_allocation != "uniform" and (
+            self.target_zeros is None or not ZERO_LEVELS[0] <= self.target_zeros <= ZERO_LEVELS[-1]
+        ):
             raise ConfigError(
-                f"zero_allocation={self.zero_allocation!r} shares out target_zeros among the layers: give "
-                "target_zeros (not one threshold, not ReLU)."
+                f"zero_allocation={self.zero_allocation!r} shares out target_zeros among the layers, each "
+                f"getting one of {list(ZERO_LEVELS)}: give target_zeros in [{ZERO_LEVELS[0]}, "
+                f"{ZERO_LEVELS[-1]}] (not one threshold, not ReLU), or zero_allocation='uniform'."
             )
         if self.threshold_ramp < 0:
             raise ConfigError(f"threshold_ramp must be >= 0 steps, got {self.threshold_ramp}.")
@@ -676,8 +680,9 @@ def build_parser(prog: str = "python -m flashlm.training.relufy") -> argparse.Ar
         "--zero-allocation",
         choices=ZERO_ALLOCATIONS,
         default="uniform",
-        help="uniform: --target-zeros in every layer; sensitivity: --target-zeros on average, fewer zeros "
-        "in the layers where they cost the model most (each layer measured alone; default: uniform)",
+        help="uniform: --target-zeros in every layer; sensitivity: --target-zeros on average, each layer "
+        f"one of {', '.join(map(str, ZERO_LEVELS))}, fewer where zeros cost the model most (each layer "
+        "measured alone; default: uniform)",
     )
     p.add_argument(
         "--threshold-ramp",
