@@ -68,12 +68,11 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def _gate_inputs(
-    model: nn.Module, windows: torch.Tensor, sample: int, generator: torch.Generator
-) -> list[torch.Tensor]:
+def _gate_inputs(model: nn.Module, windows: torch.Tensor, sample: int) -> list[torch.Tensor]:
     """About `sample` of each layer's activation inputs (the gate pre-activations) over `windows`, by
     layer: a seeded random subset, because a stride could alias onto a few neurons."""
     found = activations(model)
+    generator = torch.Generator().manual_seed(0)
     per_call = -(-sample // windows.shape[0])
     collected: dict[int, list[torch.Tensor]] = {act.layer: [] for act in found}
 
@@ -141,7 +140,7 @@ def calibrate_thresholds(
     """
     _check_target(target)
     windows = _windows(ids, context_length, num_tokens)
-    inputs = _gate_inputs(model, windows, sample, torch.Generator().manual_seed(0))
+    inputs = _gate_inputs(model, windows, sample)
     return _quantile_thresholds(inputs, target)
 
 
@@ -222,7 +221,7 @@ def allocate_zeros(
     if not levels or not all(0 < level < 1 for level in levels):
         raise ConfigError(f"Zero levels must lie in (0, 1), got {levels}.")
     windows = _windows(ids, context_length, num_tokens)
-    inputs = _gate_inputs(model, windows, sample, torch.Generator().manual_seed(0))
+    inputs = _gate_inputs(model, windows, sample)
     by_level = [_quantile_thresholds(inputs, level) for level in levels]
     scored = _windows(windows.reshape(-1), context_length, sensitivity_tokens)
     dense = [logits.float().log_softmax(-1) for logits in _window_logits(model, scored)]
