@@ -194,6 +194,13 @@ def test_allocate_zeros_gives_the_sensitive_layer_fewer(sensitive):
     assert torch.equal(_logits(model, ids[:64]), before)
     with pytest.raises(ConfigError, match=r"Zero levels must lie in \(0, 1\)"):
         allocate_zeros(model, ids, 0.75, levels=(0.6, 1.0), context_length=64, num_tokens=512)
+    # a target the levels cannot average is refused before any forward runs
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    with pytest.raises(ConfigError, match=r"cannot average 0.95: choose levels on both sides"):
+        allocate_zeros(model, ids, 0.95, levels=(0.6, 0.9), context_length=64, num_tokens=512)
+    handle.remove()
+    assert forwards == []
 
 
 def test_threshold_ramp_grows_the_thresholds_from_relu_to_theirs():

@@ -166,18 +166,24 @@ class ZeroAllocation:
         return sum(self.targets) / len(self.targets)
 
 
+def _check_levels(levels: Sequence[float], mean_target: float) -> None:
+    if not levels or not all(0 < level < 1 for level in levels):
+        raise ConfigError(f"Zero levels must lie in (0, 1), got {list(levels)}.")
+    if not min(levels) <= mean_target <= max(levels):
+        raise ConfigError(
+            f"The zero levels {list(levels)} cannot average {mean_target}: choose levels on both sides of it."
+        )
+
+
 def cheapest_levels(
     costs: Sequence[Sequence[float]], levels: Sequence[float], mean_target: float
 ) -> list[int]:
     """The index of a level for each layer that minimizes the summed cost with levels averaging at least
     `mean_target`: an exact multiple-choice knapsack, by dynamic programming over the zero fraction
     reached so far (in thousandths, capped at the need)."""
+    _check_levels(levels, mean_target)
     units = [round(level * 1000) for level in levels]
-    need = math.ceil(len(costs) * mean_target * 1000 - 1e-6)
-    if not min(units) <= need / len(costs) <= max(units):
-        raise ConfigError(
-            f"The zero levels {list(levels)} cannot average {mean_target}: choose levels on both sides of it."
-        )
+    need = math.ceil(len(costs) * mean_target * 1000 - 1e-6)  # 30 x 0.78 x 1000 is 23400.000000000004
     best = {0: (0.0, [])}  # zero units reached (capped at `need`) -> (cost, level indices)
     for layer_costs in costs:
         step: dict[int, tuple[float, list[int]]] = {}
@@ -218,8 +224,7 @@ def allocate_zeros(
 
     _check_target(mean_target)
     levels = sorted(float(level) for level in levels)
-    if not levels or not all(0 < level < 1 for level in levels):
-        raise ConfigError(f"Zero levels must lie in (0, 1), got {levels}.")
+    _check_levels(levels, mean_target)  # before the forwards, not after them
     windows = _windows(ids, context_length, num_tokens)
     inputs = _gate_inputs(model, windows, sample)
     by_level = [_quantile_thresholds(inputs, level) for level in levels]
