@@ -22,9 +22,9 @@ from flashlm.activations import FATReLU, activations, relufy
 from flashlm.cli.main import main as flashlm_main
 from flashlm.data.corpora import CorpusNotFoundError, corpus_tokens, require
 from flashlm.errors import ConfigError, RelufiedCheckpointError
-from flashlm.training.activations import ZERO_LEVELS
+from flashlm.training.activations import ZERO_LEVELS, calibrate_thresholds
 from flashlm.training.checkpoints import NotRelufiedError, load_checkpoint, load_relufied
-from flashlm.training.data import SAMPLES_NAME, pack, start_token
+from flashlm.training.data import SAMPLES_NAME, corpus_sequences, evenly_spaced_rows, pack, start_token
 from flashlm.training.relufy import (
     CE_WEIGHT,
     MODEL_DIR,
@@ -237,6 +237,27 @@ def test_zeros_allocated_by_sensitivity_average_the_target_and_are_kept(tiny_dir
         RelufyOptions(output_dir=tmp_path / "z", target_zeros=0.95, zero_allocation="sensitivity")
     with pytest.raises(ConfigError, match=r"zero_allocation must be one of uniform, sensitivity"):
         RelufyOptions(output_dir=tmp_path / "z", zero_allocation="greedy")
+
+
+def test_thresholds_are_calibrated_on_rows_from_every_source(tiny_dir, tmp_path):
+    _require_corpus()
+    # a training file after the corpus, unlike it: one word over and over
+    text = tmp_path / "repeated.txt"
+    text.write_text("the " * 4000, encoding="utf-8")
+    out = tmp_path / "out"
+    extra = ("--mode", "full", "--target-zeros", "0.8", "--train-text", str(text), "--no-eval")
+    assert main(_common(tiny_dir, out, steps=1, extra=extra)) == 0
+    recorded = json.loads((out / THRESHOLDS_NAME).read_text())["thresholds"]
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    rows = corpus_sequences((CORPUS,), AutoTokenizer.from_pretrained(tiny_dir), 32, texts=(text,))
+    tokens = RelufyOptions(output_dir=out).threshold_tokens
+    first = rows.reshape(-1)[:tokens]  # the corpus's first rows alone: the file would count for nothing
+    spread = evenly_spaced_rows(rows, tokens // 32).reshape(-1)
+    assert (rows[-1] == rows[-1, 0]).all() and (spread[-32:] == rows[-1, 0]).all()
+    calibrate = {"context_length": 32, "num_tokens": tokens}
+    assert recorded == calibrate_thresholds(model, spread, 0.8, **calibrate)
+    assert recorded != calibrate_thresholds(model, first, 0.8, **calibrate)
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])

@@ -26,6 +26,7 @@ from flashlm.training.data import (
     SAMPLE_PROMPT_TOKENS,
     SequenceSampler,
     corpus_sequences,
+    evenly_spaced_rows,
     pack,
     start_token,
     teacher_samples,
@@ -123,6 +124,18 @@ def test_pack_and_the_sampler_are_deterministic_and_disjoint():
     assert sorted(epoch) == list(range(10))  # every row once per epoch
     with pytest.raises(ConfigError):
         pack(torch.arange(10), 1)
+
+
+def test_evenly_spaced_rows_span_first_to_last():
+    rows = torch.arange(10)[:, None].expand(10, 3)
+    assert evenly_spaced_rows(rows, 4)[:, 0].tolist() == [0, 3, 6, 9]
+    assert evenly_spaced_rows(rows, 1)[:, 0].tolist() == [0]
+    assert evenly_spaced_rows(rows, 10) is rows and evenly_spaced_rows(rows, 25) is rows
+    # two streams packed back to back, 8 rows and 2: a spaced sample holds both, the first rows only one
+    assert evenly_spaced_rows(torch.tensor([0] * 8 + [1] * 2)[:, None], 3)[:, 0].tolist() == [0, 0, 1]
+    for count in (0, -1, 2.0, True):
+        with pytest.raises(ConfigError, match="count must be an int >= 1"):
+            evenly_spaced_rows(rows, count)
 
 
 def test_text_files_train_whole_after_the_corpora_and_bad_ones_are_refused(tmp_path):

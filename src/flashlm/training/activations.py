@@ -26,6 +26,7 @@ from torch import nn
 
 from ..activations import FATReLU, activations
 from ..errors import ConfigError
+from .data import evenly_spaced_rows
 
 
 @contextlib.contextmanager
@@ -214,7 +215,8 @@ def allocate_zeros(
 
     Each layer's cost at each of `levels` is measured with that layer alone relufied (FATReLU at the
     level's threshold, every other layer dense): the mean KL divergence from the dense model's
-    next-token distribution over the first `sensitivity_tokens` of the windows. The choice minimizes
+    next-token distribution over `sensitivity_tokens` of the windows (whole windows, evenly spaced over
+    `ids`, at least one: text packed from several sources is scored on each). The choice minimizes
     the summed costs (`cheapest_levels`), which treats the layers' costs as adding up. The
     thresholds are the chosen quantiles of each layer's inputs over all of `ids`'s windows, as in
     `calibrate_thresholds`. A layer's cost also holds what replacing its activation by a ReLU shape
@@ -228,7 +230,7 @@ def allocate_zeros(
     windows = _windows(ids, context_length, num_tokens)
     inputs = _gate_inputs(model, windows, sample)
     by_level = [_quantile_thresholds(inputs, level) for level in levels]
-    scored = _windows(windows.reshape(-1), context_length, sensitivity_tokens)
+    scored = evenly_spaced_rows(windows, max(1, sensitivity_tokens // context_length))
     dense = [logits.float().log_softmax(-1) for logits in _window_logits(model, scored)]
 
     found = activations(model)  # in the order of `inputs`, so a layer's position indexes both

@@ -31,6 +31,17 @@ def pack(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
     return ids[: rows * seq_len].long().reshape(rows, seq_len)
 
 
+def evenly_spaced_rows(rows: torch.Tensor, count: int) -> torch.Tensor:
+    """`count` of `rows` (all of them if there are no more), evenly spaced from the first to the last.
+    Rows packed from several streams (`corpus_sequences`) keep their streams' order, so their first
+    rows are all the first stream's: a spaced sample covers every stream in proportion to its size."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ConfigError(f"count must be an int >= 1, got {count!r}.")
+    if count >= rows.shape[0]:
+        return rows
+    return rows[torch.linspace(0, rows.shape[0] - 1, count).round().long()]
+
+
 def corpus_sequences(
     corpora: Sequence[str],
     tokenizer: Any,

@@ -13,7 +13,8 @@ PowerInfer; Mirzadeh et al.), in steps:
    model (`data.teacher_samples`).
 2. Pick the thresholds: ReLU (0), one FATReLU threshold for every layer (`threshold`), or, by
    default, per-layer thresholds at the `target_zeros` quantile of each layer's gate pre-activations
-   on calibration text (`activations.calibrate_thresholds`). With `zero_allocation="sensitivity"`
+   on `threshold_tokens` of calibration text, in rows evenly spaced over the training rows so that
+   every corpus and file counts (`activations.calibrate_thresholds`). With `zero_allocation="sensitivity"`
    the layers' zero fractions differ, averaging `target_zeros`: fewer where a layer's zeros cost
    the model more, each layer's cost measured with it alone relufied (`activations.allocate_zeros`).
    They are kept in `OUT/thresholds.json`, so a resumed run uses exactly the same ones.
@@ -77,7 +78,7 @@ from .activations import (
 from .checkpoints import (
     load_relufied,
 )
-from .data import check_teacher_prompts
+from .data import check_teacher_prompts, evenly_spaced_rows
 from .trainer import (
     DEFAULT_EVAL_CORPORA,
     TrainConfig,
@@ -414,7 +415,9 @@ def _thresholds(
             ):
                 holder[0] = saved["thresholds"]
         if holder[0] is None:
-            ids = sequences.reshape(-1)[: options.threshold_tokens]
+            # rows spread over every corpus and file, not the first corpus's first rows
+            rows = evenly_spaced_rows(sequences, -(-options.threshold_tokens // options.seq_len))
+            ids = rows.reshape(-1)[: options.threshold_tokens]
             windows = {"context_length": options.seq_len, "num_tokens": options.threshold_tokens}
             record: dict[str, Any] = {
                 "target_zeros": options.target_zeros,
