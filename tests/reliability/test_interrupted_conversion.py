@@ -36,7 +36,9 @@ LAYERS = 48
 """Layers of the checkpoint converted here: 144 row files, each fsynced, so a conversion lasts long
 enough for the polling test to catch it midway (tenths of a second on the development disk)."""
 GATED_FILES_PER_LAYER = 3  # gate, up, down
-TIMEOUT_S = 120.0
+TIMEOUT_S = 600.0
+"""How long a child may take to reach a line or exit: a guard against a hang, not a speed check (a
+child that imports torch and transformers on a loaded 2-core machine took over 120 s)."""
 
 CHILD = r"""
 import importlib, os, sys, time
