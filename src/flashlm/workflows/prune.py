@@ -232,9 +232,9 @@ def calibration_windows(
             f"({ids.numel()} tokens), fewer than the {num_windows} asked for: ask for at most "
             f"{available} windows, use a shorter context length, or calibrate on a larger corpus."
         )
-    whole = ids[: available * context_length].view(available, context_length)
-    picks = torch.linspace(0, available - 1, num_windows).round().long()
-    return whole[picks]
+    from ..training.data import evenly_spaced_rows
+
+    return evenly_spaced_rows(ids[: available * context_length].view(available, context_length), num_windows)
 
 
 def _device_of(model: nn.Module) -> torch.device:
