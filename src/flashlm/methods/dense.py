@@ -10,7 +10,8 @@ outputs do not depend on which other rows are computed with them.
 Every step needs every unit, so priorities never differ and a cache never changes once full: the
 first step fills it with units `0 .. capacity-1` in order, and from then on the misses are the rest
 of the matrix, read (usually a layer ahead) in place into the staging matrix, at their own rows. A
-decode step multiplies the cached rows and the staged rows separately; a multi-token step (prefill),
+decode step multiplies the cached rows and the staged rows separately, the cached gate and up rows
+while the layer's read is still finishing; a multi-token step (prefill),
 where the kernel's blocking may depend on the matrix shape, first copies the cached rows into the
 staging matrix's head and multiplies the whole matrix at once, exactly as the dense model does; so
 does every step on a GPU, where a split product's outputs can differ in the last bit.
@@ -128,15 +129,20 @@ class StreamingMLP(DenseOnly, FlashMLP):
         if runtime.every_unit_resident and runtime.trace is None:
             return self._resident_forward(x).reshape(hidden_states.shape)
         pending = runtime.read_layer(self.layer, self.kinds_for(self.gated), ahead=bool(runtime.read_ahead))
+        started = perf_counter()
+        # One token on the CPU: the cached rows' products need no read, so they run while it finishes
+        # (the cores stay busy instead of sleeping through the wait and waking slowly after it).
+        split = tokens == 1 and x.device.type == "cpu"
+        up_head = self._head(x, self.up_cache, self.up_bias) if split else None
+        gate_head = self._head(x, self.gate_cache, None) if split and self.gated else None
         waiting = perf_counter()
         fetched = {kind: fetch.to(x.device) for kind, fetch in pending.result().items()}
-        io_s = perf_counter() - waiting
+        resumed = perf_counter()
 
         hits = sum(cache.size for _, cache in self._kind_caches)
-        started = perf_counter()
-        up = self._matrix(x, self.up_cache, fetched["up"], self.up_bias)
+        up = self._matrix(x, self.up_cache, fetched["up"], self.up_bias, up_head)
         if self.gated:
-            hidden = self.act(self._matrix(x, self.gate_cache, fetched["gate"], None)) * up
+            hidden = self.act(self._matrix(x, self.gate_cache, fetched["gate"], None, gate_head)) * up
         else:
             hidden = self.act(up)
         out = self._matrix(hidden, self.down_cache, fetched["down"], self.down_bias)
@@ -154,10 +160,10 @@ class StreamingMLP(DenseOnly, FlashMLP):
             evictions=evictions,
             used_bytes=tokens * runtime.layer_mlp_bytes,
             dense_bytes=tokens * runtime.layer_mlp_bytes,
-            io_s=io_s,
+            io_s=resumed - waiting,
             io_busy_s=sum(fetch.busy_s for fetch in fetched.values()),
             update_s=updated - computed,
-            compute_s=computed - started,
+            compute_s=(waiting - started) + (computed - resumed),
         )
         return out.reshape(hidden_states.shape)
 
@@ -185,13 +191,28 @@ class StreamingMLP(DenseOnly, FlashMLP):
         )
         return out
 
+    def _head(self, x: torch.Tensor, cache: NeuronCache, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """One token's outputs of the cached rows (units `0 .. size-1`, in order), or None when the
+        cache holds none."""
+        cached = cache.size
+        if cached == 0:
+            return None
+        rows = cache.rows if cached == cache.rows.shape[0] else cache.rows[:cached]
+        return linear_in_dtype(x, rows, None if bias is None else bias[:cached])
+
     def _matrix(
-        self, x: torch.Tensor, cache: NeuronCache, fetch: Fetch, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        cache: NeuronCache,
+        fetch: Fetch,
+        bias: torch.Tensor | None,
+        head: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`linear_in_dtype(x, W, bias)` for the matrix W whose rows are the cache's and the fetch's units."""
+        """`linear_in_dtype(x, W, bias)` for the matrix W whose rows are the cache's and the fetch's
+        units; `head`, when given, is `_head`'s product of the cached rows, computed already."""
         cached = cache.size
         if fetch.ids.numel() == 0:  # all resident (in unit order): the matrix is the cache's
-            return linear_in_dtype(x, cache.rows[:cached], bias)
+            return head if head is not None else linear_in_dtype(x, cache.rows[:cached], bias)
         if not cache.holds_unit_prefix or fetch.ids.numel() != cache.num_units - cached:
             raise RuntimeError(
                 f"flashlm internal error: layer {self.layer}'s dense cache does not hold its first "
@@ -208,10 +229,10 @@ class StreamingMLP(DenseOnly, FlashMLP):
             return linear_in_dtype(x, matrix, bias)
         # One token on the CPU: the cached rows' outputs, then the read rows' (a row's output does not
         # depend on the rows computed beside it, so this equals the whole matrix's product).
-        head = cache.rows if cached == cache.rows.shape[0] else cache.rows[:cached]
-        head_bias, tail_bias = (None, None) if bias is None else (bias[:cached], bias[cached:])
-        tail = matrix[cached:]
-        return torch.cat((linear_in_dtype(x, head, head_bias), linear_in_dtype(x, tail, tail_bias)), 1)
+        if head is None:
+            head = self._head(x, cache, bias)
+        tail_bias = None if bias is None else bias[cached:]
+        return torch.cat((head, linear_in_dtype(x, matrix[cached:], tail_bias)), 1)
 
     def _account(self, kind: str, cache: NeuronCache, fetch: Fetch) -> int:
         """Counters, the trace, and (only while the cache has free slots) admission; returns evictions."""
