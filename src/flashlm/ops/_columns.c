@@ -24,7 +24,12 @@
 #include <string.h>
 
 #define ALIGN 16          /* column ranges start at multiples of this (an AVX-512 vector of fp32) */
-#define PARALLEL_MIN (1 << 17) /* below this many row elements one thread works alone */
+/* Below this many row elements (4 MB of bf16, ~0.2 ms of reading) one thread works alone. In a decode
+ * step the other threads must first wake, and on a 2-core machine the second shares its core with the
+ * I/O thread: SmolLM2's products (up to 1.5M elements) took about twice as long on two threads as on
+ * one there (DIP's compute per token: 19-24 ms against 14-15, benchmarks/per_token_path.py), while
+ * Qwen2.5-1.5B's (8-27M elements) still gained from the second (75-83 ms against 90-96). */
+#define PARALLEL_MIN (1 << 21)
 
 /* Wide enough that a thread reads its share of each kept row as one stream (its block of `out` then sits
  * in L2, not L1): the CPU's prefetchers ramp up once per stream. One token's product over a Qwen2.5-1.5B
