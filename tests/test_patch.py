@@ -72,6 +72,29 @@ def test_density_one_matches_dense(arch, cached_fraction, make_tiny_checkpoint, 
     assert streaming_mlps(patched)[0].runtime.every_unit_resident == (cached_fraction == 1)
 
 
+@pytest.mark.parametrize("cached_fraction", [0.3, 0.7])
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.exactness
+def test_one_sequence_decodes_as_the_dense_model(arch, cached_fraction, make_tiny_checkpoint, tmp_path):
+    """One sequence decodes one token per step: the path that multiplies the cached rows before the
+    layer's read lands and the read rows after it (a batch of two takes the whole-matrix path)."""
+    path = make_tiny_checkpoint(arch, dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    patched = load_patched(path, tmp_path / "store", cached_fraction)
+    caches = streaming_mlps(patched)[0].caches()
+    assert any(0 < cache.capacity < cache.num_units for cache in caches)  # cached rows beside read ones
+    ids = prompt_ids(reference.config.get_text_config().vocab_size)[:1]
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    kwargs |= {"return_dict_in_generate": True, "output_logits": True}
+    flashlm.stats(patched, reset=True)
+    got, want = patched.generate(ids, **kwargs), reference.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    for got_logits, want_logits in zip(got.logits, want.logits, strict=True):
+        torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+    decode_steps = flashlm.stats(patched).per_step()[1:]
+    assert all(s["tokens"] == 1 and s["hits"] > 0 and s["misses"] > 0 for s in decode_steps)
+
+
 @pytest.mark.parametrize("cached_fraction", CACHED_FRACTIONS)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.exactness
