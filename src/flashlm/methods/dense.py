@@ -130,9 +130,8 @@ class StreamingMLP(DenseOnly, FlashMLP):
             return self._resident_forward(x).reshape(hidden_states.shape)
         pending = runtime.read_layer(self.layer, self.kinds_for(self.gated), ahead=bool(runtime.read_ahead))
         started = perf_counter()
-        # One token on the CPU: the cached rows' products need no read, so they run while it finishes
-        # (the cores stay busy instead of sleeping through the wait and waking slowly after it).
-        split = tokens == 1 and x.device.type == "cpu"
+        # The cached rows' products of a split product need no read: they run while it finishes.
+        split = self._splits(x)
         up_head = self._head(x, self.up_cache, self.up_bias) if split else None
         gate_head = self._head(x, self.gate_cache, None) if split and self.gated else None
         waiting = perf_counter()
@@ -191,6 +190,13 @@ class StreamingMLP(DenseOnly, FlashMLP):
         )
         return out
 
+    @staticmethod
+    def _splits(x: torch.Tensor) -> bool:
+        """Whether the products of `x` (one token, on the CPU) multiply the cached rows and the read rows
+        apart: a row's output does not depend on the rows computed beside it, so this equals the whole
+        matrix's product."""
+        return x.shape[0] == 1 and x.device.type == "cpu"
+
     def _head(self, x: torch.Tensor, cache: NeuronCache, bias: torch.Tensor | None) -> torch.Tensor | None:
         """One token's outputs of the cached rows (units `0 .. size-1`, in order), or None when the
         cache holds none."""
@@ -221,14 +227,13 @@ class StreamingMLP(DenseOnly, FlashMLP):
         matrix = fetch.matrix  # units cached .. num_units - 1 at their own rows
         if cached == 0:
             return linear_in_dtype(x, matrix, bias)
-        if x.shape[0] > 1 or x.device.type != "cpu":
+        if not self._splits(x):
             # One product over the whole matrix, as the dense model computes it: for many tokens, and
             # on a GPU, whose kernels may split the reduction by the matrix's shape (on an H200, split
             # products gave Qwen2.5-1.5B other bf16 greedy tokens). There the copy is on-device.
             matrix[:cached].copy_(cache.rows[:cached])
             return linear_in_dtype(x, matrix, bias)
-        # One token on the CPU: the cached rows' outputs, then the read rows' (a row's output does not
-        # depend on the rows computed beside it, so this equals the whole matrix's product).
+        # The cached rows' outputs, then the read rows'.
         if head is None:
             head = self._head(x, cache, bias)
         tail_bias = None if bias is None else bias[cached:]
