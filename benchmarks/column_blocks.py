@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flashlm._native import target_flags
+from flashlm._native import build_flags
 from flashlm.ops.columns import SOURCE
 
 SHAPES = {  # name: (units, row width)
@@ -41,7 +41,7 @@ COLD_BYTES = 256 << 20
 
 def build(block: int, directory: Path):
     library = directory / f"columns-{block}.so"
-    flags = ["-O3", *target_flags(), "-shared", "-fPIC", "-fopenmp", f"-DBLOCK={block}"]
+    flags = [*build_flags(openmp=True), f"-DBLOCK={block}"]
     subprocess.run(["cc", *flags, "-o", str(library), str(SOURCE)], check=True)
     function = ctypes.CDLL(str(library)).flashlm_columns_bf16
     p, i = ctypes.c_void_p, ctypes.c_int64

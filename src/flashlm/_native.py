@@ -43,6 +43,11 @@ def target_flags() -> tuple[str, ...]:
     return ("-mcpu=native",)
 
 
+def build_flags(*, openmp: bool = False) -> tuple[str, ...]:
+    """The compiler flags flashlm builds its C operators with (`-fopenmp` with `openmp`)."""
+    return ("-O3", *target_flags(), "-shared", "-fPIC", *(("-fopenmp",) if openmp else ()))
+
+
 def kernels_enabled() -> bool:
     """False when `FLASHLM_C_KERNEL=0` asks for the torch paths."""
     return os.environ.get("FLASHLM_C_KERNEL", "1") != "0"
@@ -68,7 +73,7 @@ def load_library(
     if compiler is None:
         logger.warning("flashlm: no C compiler found; %s runs as torch ops (slower).", name)
         return None
-    flags = ("-O3", *target_flags(), "-shared", "-fPIC", *(("-fopenmp",) if openmp else ()))
+    flags = build_flags(openmp=openmp)
     key = hashlib.sha256((source_digest(source) + " ".join(flags) + _cpu_signature()).encode())
     path = cache_dir() / "kernels" / f"{name}-{key.hexdigest()[:16]}.so"
     if not path.exists():
