@@ -22,6 +22,7 @@ from flashlm.methods import CATSMLP, DIPMLP, SparseMLP, StreamingMLP, reads_ahea
 from flashlm.methods.calibration import Calibration
 from flashlm.methods.masking import (
     cache_aware_scores,
+    kept_pairs,
     threshold_for_density,
     threshold_mask,
     topk_mask,
@@ -74,6 +75,17 @@ def test_threshold_helpers() -> None:
         assert (values.abs() > t).float().mean().item() == pytest.approx(keep, abs=0.01)
     mask = torch.tensor([[True, False, False], [False, False, True]])
     assert union_ids(mask).tolist() == [0, 2]
+
+
+def test_union_ids_and_kept_pairs_for_one_token_and_many() -> None:
+    mask = torch.tensor([[True, False, False, True], [False, False, True, True]])
+    assert union_ids(mask).tolist() == [0, 2, 3]
+    assert kept_pairs(mask, union_ids(mask)) == 4  # unit 3 counts once per token that keeps it
+    one = mask[1:]
+    assert union_ids(one).tolist() == [2, 3] and kept_pairs(one, union_ids(one)) == 2
+    strided = mask.t()[3:]  # one token whose mask is not contiguous: [[True, True]]
+    assert not strided.is_contiguous()
+    assert union_ids(strided).tolist() == [0, 1] and kept_pairs(strided, union_ids(strided)) == 2
 
 
 @settings(max_examples=60, deadline=None)

@@ -185,13 +185,9 @@ class NeuronCache(nn.Module):
         if self.size == self.num_units:
             return ids[:0].to(self.slot_ids.device)
         native, slot_of = _native_missing(), self.slot_of
-        ids = ids.to(slot_of.device)
-        if (
-            native is None
-            or not (ids.is_cpu and slot_of.is_cpu)
-            or ids.dtype != INDEX_DTYPE
-            or ids.dim() != 1
-        ):
+        if ids.device != slot_of.device:  # a no-op `.to` still costs an operator call
+            ids = ids.to(slot_of.device)
+        if native is None or not slot_of.is_cpu or ids.dtype != INDEX_DTYPE or ids.dim() != 1:
             return ids[slot_of[ids] < 0]
         if not ids.is_contiguous():
             ids = ids.contiguous()

@@ -71,6 +71,7 @@ class StageTimes:
     io_busy_s: float = 0.0
     bytes_read: int = 0
     reads: int = 0
+    used_bytes: int = 0
 
 
 class StatsRecorder:

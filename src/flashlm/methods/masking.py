@@ -76,4 +76,11 @@ def threshold_for_density(quantiles: torch.Tensor, keep: float) -> float:
 
 def union_ids(mask: torch.Tensor) -> torch.Tensor:
     """Sorted ids of the units any token keeps (`mask` is `[tokens, n]`)."""
-    return mask.any(dim=0).nonzero().squeeze(1)
+    kept = mask.view(-1) if mask.shape[0] == 1 and mask.is_contiguous() else mask.any(dim=0)
+    return kept.nonzero().view(-1)
+
+
+def kept_pairs(mask: torch.Tensor, ids: torch.Tensor) -> int:
+    """The (token, unit) pairs `mask` keeps, given its `union_ids(mask)`: for one token their count, known
+    on the host already, so a decode step spends no `mask.sum()` (a device sync on a GPU) on it."""
+    return ids.numel() if mask.shape[0] == 1 else int(mask.sum())

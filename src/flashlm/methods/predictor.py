@@ -40,7 +40,7 @@ from ..errors import ConfigError
 from ..ops import ColumnProduct, RowProduct
 from ..predictors import PREDICTORS_FILE, Predictors
 from .base import register_method
-from .masking import union_ids
+from .masking import kept_pairs, union_ids
 from .mlp import FlashMLP, require_gate
 from .selection import PredictorSelection, selection_options
 
@@ -273,8 +273,6 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
         tokens: int,
         before: tuple[int, int, int],
         times: StageTimes,
-        *,
-        used_bytes: int,
     ) -> None:
         """Queue the caches' `update` on the I/O thread and record the forward's counters and times."""
         updating = perf_counter()
@@ -287,7 +285,6 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
             hits=hits,
             misses=misses,
             evictions=evictions,
-            used_bytes=used_bytes,
             dense_bytes=tokens * self.runtime.layer_mlp_bytes,
             **vars(times),
         )
@@ -318,12 +315,12 @@ class PredictorMLP(PredictedNeuronsMLP):
 
         taken = self._taken_guess(BUNDLE)
         ahead = self._guess_ahead(x, BUNDLE, taken)
-        update = self._round(
-            BUNDLE, self.bundle_cache, union_ids(mask), bundles, times, taken=taken, then=ahead
-        )
+        ids = union_ids(mask)
+        update = self._round(BUNDLE, self.bundle_cache, ids, bundles, times, taken=taken, then=ahead)
         if self.down_bias is not None:
             out += self.down_bias
-        self._finish(update, x.shape[0], before, times, used_bytes=int(mask.sum()) * self._row_bytes[BUNDLE])
+        times.used_bytes += kept_pairs(mask, ids) * self._row_bytes[BUNDLE]
+        self._finish(update, x.shape[0], before, times)
         return out.to(hidden_states.dtype).reshape(hidden_states.shape)
 
     def _bundles(
@@ -380,7 +377,8 @@ class PredictedGatesMLP(PredictedNeuronsMLP):
             gate[:, ids] = self.act(self.input_product(x, rows, index))
 
         taken = self._taken_guess(GATE)
-        update_gates = self._round(GATE, self.gate_cache, union_ids(predicted), gates, times, taken=taken)
+        gate_ids = union_ids(predicted)
+        update_gates = self._round(GATE, self.gate_cache, gate_ids, gates, times, taken=taken)
         # A neuron predicted for one token only counts for that token; one that does not fire (its
         # activation exactly zero) contributes nothing, and its up row and down column are not read.
         hidden = gate * predicted
@@ -393,14 +391,16 @@ class PredictedGatesMLP(PredictedNeuronsMLP):
 
         # the next layer's gate rows are read after this round's up_down rows, which this layer waits for
         ahead = self._guess_ahead(x, GATE, taken)
-        update_up_downs = self._round(
-            UP_DOWN, self.up_down_cache, union_ids(firing), up_downs, times, then=ahead
-        )
+        firing_ids = union_ids(firing)
+        update_up_downs = self._round(UP_DOWN, self.up_down_cache, firing_ids, up_downs, times, then=ahead)
         if self.down_bias is not None:
             out += self.down_bias
-        used = int(predicted.sum()) * self._row_bytes[GATE] + int(firing.sum()) * self._row_bytes[UP_DOWN]
+        times.used_bytes += (
+            kept_pairs(predicted, gate_ids) * self._row_bytes[GATE]
+            + kept_pairs(firing, firing_ids) * self._row_bytes[UP_DOWN]
+        )
         # The gate cache's update may wait past the second round: it copies from the gate kind's
         # staging matrix, which no read reuses before the next layer's forward (its guess reads into
         # the other one).
-        self._finish(lambda: (update_gates(), update_up_downs()), tokens, before, times, used_bytes=used)
+        self._finish(lambda: (update_gates(), update_up_downs()), tokens, before, times)
         return out.to(hidden_states.dtype).reshape(hidden_states.shape)

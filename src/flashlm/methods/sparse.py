@@ -53,7 +53,7 @@ from ..ops.columns import slot_dtype
 from ..store.reader import DEFAULT_MERGE_GAP_BYTES
 from .base import method_class, register_method
 from .calibration import CALIBRATION_FILE, Calibration
-from .masking import union_ids
+from .masking import kept_pairs, union_ids
 from .mlp import FlashMLP, require_gate
 from .selection import CATSSelection, DIPSelection, GLUSelection, Selection, dip_split, selection_options
 
@@ -312,13 +312,6 @@ class SparseMLP(Selection, FlashMLP):
             times.update_s += perf_counter() - updating
 
         hits, misses, evictions = (now - then for now, then in zip(self.counters(), before, strict=True))
-        used = sum(
-            (tokens * cache.num_units if mask is None else int(mask.sum())) * self._row_bytes[kind]
-            for kind, cache, mask in (
-                (self.INPUT_KIND, self.input_cache, in_mask),
-                (self.OUTPUT_KIND, self.output_cache, out_mask),
-            )
-        )
         runtime.stats.record(
             self.layer,
             tokens=tokens,
@@ -327,7 +320,7 @@ class SparseMLP(Selection, FlashMLP):
             hits=hits,
             misses=misses,
             evictions=evictions,
-            used_bytes=used,
+            used_bytes=times.used_bytes,
             dense_bytes=tokens * runtime.layer_mlp_bytes,
             select_s=times.select_s,
             lookup_s=times.lookup_s,
@@ -394,6 +387,9 @@ class SparseMLP(Selection, FlashMLP):
         times.select_s += selected - started + perf_counter() - submitted  # the guess is a selection
         times.lookup_s += looked_up - selected
         times.submit_s += submitted - looked_up
+        times.used_bytes += (
+            values.shape[0] * cache.num_units if mask is None else kept_pairs(mask, ids)
+        ) * self._row_bytes[kind]
         whole = runtime.unit_ids[: cache.num_units] if early is not None else None
         parts = _Parts(
             cache.rows[: cache.size], cache.slot_ids[: cache.size], pending, kind, miss_ids, times, whole
@@ -452,6 +448,9 @@ class SparseMLP(Selection, FlashMLP):
         times.update_s += perf_counter() - read_done
         if depends:
             mask = torch.stack(token_masks)
+        times.used_bytes += (
+            values.shape[0] * cache.num_units if mask is None else int(mask.sum())
+        ) * self._row_bytes[kind]
         return mask, [(fetched.matrix, all_ids, None)], lambda: None  # updated token by token above
 
     def _depends_on_cache(self) -> bool:
