@@ -1,5 +1,5 @@
 """Small helpers shared across flashlm: byte sizes, the process's peak and available memory, the cache
-directory."""
+directory, a model's device."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import re
 import resource
 import sys
 from pathlib import Path
+
+import torch
 
 from .errors import CacheDirError, ConfigError
 
@@ -105,3 +107,13 @@ def cache_dir() -> Path:
             f"flashlm's cache directory {path} is not writable. Set FLASHLM_CACHE to a writable directory."
         )
     return path
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where `model` computes: its `device` (a transformers model's), else its first parameter's, else the
+    CPU (a model without parameters)."""
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .._utils import model_device
 from ..config import FlashConfig
 from ..errors import ConfigError
 from ..methods.specs import parse_method_spec
@@ -117,14 +118,6 @@ def _stream(input_ids: torch.Tensor) -> torch.Tensor:
     return input_ids.long()
 
 
-def _device_of(model: torch.nn.Module) -> torch.device:
-    device = getattr(model, "device", None)
-    if isinstance(device, torch.device):
-        return device
-    parameter = next(model.parameters(), None)
-    return parameter.device if parameter is not None else torch.device("cpu")
-
-
 def window_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> float:
     """Summed next-token NLL of one `[1, L]` window from its `[1, L, vocab]` logits, in float64."""
     predicted = logits[0, :-1].float()
@@ -153,7 +146,7 @@ def perplexity(
 
     ids = _stream(input_ids)
     windows = num_windows(ids.numel(), context_length, num_tokens)
-    device = _device_of(model)
+    device = model_device(model)
     patched = bool(flashlm_modules(model))
     if patched:
         stats(model, reset=True)

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from .._utils import model_device
 from ..arch import find_mlps, model_type_of, spec_for
 
 RELU_ACTIVATIONS = frozenset({"relu", "relu2", "relu6", "fatrelu"})
@@ -256,13 +257,6 @@ def _batch_tensors(
     return ids, mask
 
 
-def _model_device(model: nn.Module) -> torch.device:
-    device = getattr(model, "device", None)
-    if isinstance(device, torch.device):
-        return device
-    return next(model.parameters()).device
-
-
 def collect_activations(
     model: nn.Module,
     batches: Iterable[torch.Tensor | Mapping[str, torch.Tensor]],
@@ -353,7 +347,7 @@ def collect_activations(
             )
             handles.append(first.register_forward_pre_hook(capture_input(layer)))
             handles.append(down.register_forward_pre_hook(capture_intermediate(layer)))
-        device = _model_device(model)
+        device = model_device(model)
         total = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
         with torch.no_grad():  # not inference_mode: the rows are trained on later
             for batch in tqdm(

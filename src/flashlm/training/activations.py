@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._utils import model_device
 from ..activations import FATReLU, activations
 from ..errors import ConfigError
 from .data import evenly_spaced_rows
@@ -63,11 +64,6 @@ def _windows(ids: torch.Tensor, context_length: int, num_tokens: int | None) -> 
     return ids[: count * context_length].reshape(count, context_length)
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    parameter = next(model.parameters(), None)
-    return parameter.device if parameter is not None else torch.device("cpu")
-
-
 @torch.no_grad()
 def _gate_inputs(model: nn.Module, windows: torch.Tensor, sample: int) -> list[torch.Tensor]:
     """About `sample` of each layer's activation inputs (the gate pre-activations) over `windows`, by
@@ -100,7 +96,7 @@ def _window_logits(model: nn.Module, windows: torch.Tensor) -> Iterator[torch.Te
     """The logits of each window, run one at a time in eval mode (the mode is restored after)."""
     was_training = model.training
     model.eval()
-    device = _device_of(model)
+    device = model_device(model)
     try:
         for window in windows:
             yield model(input_ids=window.unsqueeze(0).to(device), use_cache=False).logits[0]
@@ -332,7 +328,7 @@ def zero_fractions(
     """(overall, per layer) exact-zero fraction of the MLP activations over windows of `ids`."""
     was_training = model.training
     model.eval()
-    device = _device_of(model)
+    device = model_device(model)
     try:
         with ZeroCounter(model) as counter:
             for window in _windows(ids, context_length, num_tokens):

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._utils import model_device
 from .._version import __version__
 from ..arch import decoder_layers, layer_linears
 from ..errors import ConfigError
@@ -237,11 +238,6 @@ def calibration_windows(
     return evenly_spaced_rows(ids[: available * context_length].view(available, context_length), num_windows)
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    parameter = next(model.parameters(), None)
-    return parameter.device if parameter is not None else torch.device("cpu")
-
-
 def collect_input_norms(
     model: nn.Module,
     windows: torch.Tensor,
@@ -266,7 +262,7 @@ def collect_input_norms(
             f"model's vocabulary of {vocab}: tokenize the corpus with the model's own tokenizer."
         )
     stats = WandaStats(linears)
-    device = _device_of(model)
+    device = model_device(model)
     # Only the hidden states matter: skip the LM head for all but the last position where possible.
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     was_training = model.training
