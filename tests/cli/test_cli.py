@@ -8,7 +8,9 @@ import re
 import pytest
 import torch
 from conftest import save_word_tokenizer
+from transformers import AutoModelForCausalLM
 
+import flashlm
 from flashlm.cli.main import main
 
 
@@ -25,6 +27,28 @@ def test_convert_then_info(make_tiny_checkpoint, tmp_path, capsys):
     assert main(["info", str(tmp_path / "store"), "--json"]) == 0
     manifest = json.loads(capsys.readouterr().out)
     assert manifest["format"] == "flashlm-store" and manifest["model_type"] == "llama"
+
+
+def test_convert_stores_the_dtype_asked_for(make_tiny_checkpoint, tmp_path, capsys):
+    path = make_tiny_checkpoint("llama", dtype=torch.float32)
+    assert main(["convert", str(path), str(tmp_path / "kept")]) == 0
+    assert "float32" in capsys.readouterr().out
+    assert main(["convert", str(path), str(tmp_path / "halved"), "--dtype", "bfloat16"]) == 0
+    assert "bfloat16" in capsys.readouterr().out
+    kept, halved = (flashlm.Store.open(tmp_path / name) for name in ("kept", "halved"))
+    assert (kept.dtype, halved.dtype) == (torch.float32, torch.bfloat16)
+    assert halved.nbytes() * 2 == kept.nbytes()
+    # the float32 checkpoint loaded in bfloat16 over the bfloat16 store decodes as it does without flashlm
+    config = flashlm.FlashConfig(store=str(tmp_path / "halved"), memory_budget=400_000)
+    streamed = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=config)
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    ids = torch.randint(3, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    greedy = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(streamed.generate(ids, **greedy), plain.generate(ids, **greedy))
+    endor = ["convert", str(path), str(tmp_path / "endor"), "--format", "endor", "--dtype", "float16"]
+    assert main(endor) == 2
+    assert "--dtype applies to MLP stores" in capsys.readouterr().err
+    assert not (tmp_path / "endor").exists()
 
 
 def test_errors_are_reported_not_raised(tmp_path, capsys):

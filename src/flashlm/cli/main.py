@@ -120,6 +120,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
         if args.kinds:
             raise ConfigError("--kinds applies to MLP stores; an Endor store holds every decoder linear.")
+        if args.dtype:
+            raise ConfigError("--dtype applies to MLP stores; an Endor store keeps the checkpoint's dtype.")
 
         store = convert_endor(
             args.source, args.dest, meta_model_layout(args.source), overwrite=args.overwrite
@@ -130,9 +132,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
         )
         return 0
     from ..store import convert
+    from ..store.format import dtype_name
 
-    store = convert(args.source, args.dest, kinds=args.kinds, overwrite=args.overwrite)
-    print(f"wrote {store.path}: {store.num_layers} layers, kinds {', '.join(store.kinds)}")
+    store = convert(args.source, args.dest, dtype=args.dtype, kinds=args.kinds, overwrite=args.overwrite)
+    kinds = ", ".join(store.kinds)
+    print(f"wrote {store.path}: {store.num_layers} layers, {dtype_name(store.dtype)}, kinds {kinds}")
     return 0
 
 
@@ -719,6 +723,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_list,
         default=None,
         help="unit layouts to write (default: dense streaming's gate,up,down; others derived on first use)",
+    )
+    convert.add_argument(
+        "--dtype",
+        choices=_DTYPES,
+        default=None,
+        help="dtype of the stored weights (default: the checkpoint's); load the model in the same dtype",
     )
     convert.set_defaults(func=cmd_convert)
 
