@@ -80,9 +80,9 @@ def test_threshold_helpers() -> None:
 def test_union_ids_and_kept_pairs_for_one_token_and_many() -> None:
     mask = torch.tensor([[True, False, False, True], [False, False, True, True]])
     assert union_ids(mask).tolist() == [0, 2, 3]
-    assert kept_pairs(mask, union_ids(mask)) == 4  # unit 3 counts once per token that keeps it
+    assert kept_pairs(mask, union_ids(mask)) == kept_pairs(mask) == 4  # unit 3: once per token keeping it
     one = mask[1:]
-    assert union_ids(one).tolist() == [2, 3] and kept_pairs(one, union_ids(one)) == 2
+    assert union_ids(one).tolist() == [2, 3] and kept_pairs(one, union_ids(one)) == kept_pairs(one) == 2
     strided = mask.t()[3:]  # one token whose mask is not contiguous: [[True, True]]
     assert not strided.is_contiguous()
     assert union_ids(strided).tolist() == [0, 1] and kept_pairs(strided, union_ids(strided)) == 2
@@ -302,6 +302,8 @@ def test_sequential_prefill_equals_decoding_token_by_token(tiny_llama) -> None:
         for cache_a, cache_b in zip(a.caches(), b.caches(), strict=True):
             assert torch.equal(cache_a.slot_of >= 0, cache_b.slot_of >= 0)
             assert (cache_a.hits, cache_a.misses) == (cache_b.hits, cache_b.misses)
+    used = [flashlm.stats(model).totals()["used_bytes"] for model in (batched, stepped)]
+    assert used[0] == used[1] > 0
 
 
 def test_cache_aware_masking_raises_the_hit_rate(tiny_llama) -> None:

@@ -80,7 +80,7 @@ def union_ids(mask: torch.Tensor) -> torch.Tensor:
     return kept.nonzero().view(-1)
 
 
-def kept_pairs(mask: torch.Tensor, ids: torch.Tensor) -> int:
-    """The (token, unit) pairs `mask` keeps, given its `union_ids(mask)`: for one token their count, known
+def kept_pairs(mask: torch.Tensor, ids: torch.Tensor | None = None) -> int:
+    """The (token, unit) pairs `mask` keeps. Given its `union_ids(mask)` and one token, their count, known
     on the host already, so a decode step spends no `mask.sum()` (a device sync on a GPU) on it."""
-    return ids.numel() if mask.shape[0] == 1 else int(mask.sum())
+    return ids.numel() if ids is not None and mask.shape[0] == 1 else int(mask.sum())

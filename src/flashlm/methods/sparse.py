@@ -387,9 +387,7 @@ class SparseMLP(Selection, FlashMLP):
         times.select_s += selected - started + perf_counter() - submitted  # the guess is a selection
         times.lookup_s += looked_up - selected
         times.submit_s += submitted - looked_up
-        times.used_bytes += (
-            values.shape[0] * cache.num_units if mask is None else kept_pairs(mask, ids)
-        ) * self._row_bytes[kind]
+        self._count_used(times, kind, cache, values.shape[0], mask, ids)
         whole = runtime.unit_ids[: cache.num_units] if early is not None else None
         parts = _Parts(
             cache.rows[: cache.size], cache.slot_ids[: cache.size], pending, kind, miss_ids, times, whole
@@ -448,10 +446,22 @@ class SparseMLP(Selection, FlashMLP):
         times.update_s += perf_counter() - read_done
         if depends:
             mask = torch.stack(token_masks)
-        times.used_bytes += (
-            values.shape[0] * cache.num_units if mask is None else int(mask.sum())
-        ) * self._row_bytes[kind]
+        self._count_used(times, kind, cache, values.shape[0], mask)
         return mask, [(fetched.matrix, all_ids, None)], lambda: None  # updated token by token above
+
+    def _count_used(
+        self,
+        times: StageTimes,
+        kind: str,
+        cache: NeuronCache,
+        tokens: int,
+        mask: torch.Tensor | None,
+        ids: torch.Tensor | None = None,
+    ) -> None:
+        """Add the bytes of the (token, unit) pairs a stage used to `times.used_bytes`: every unit of
+        every token without a mask (`ids`: the mask's `union_ids`, if the caller has them)."""
+        pairs = tokens * cache.num_units if mask is None else kept_pairs(mask, ids)
+        times.used_bytes += pairs * self._row_bytes[kind]
 
     def _depends_on_cache(self) -> bool:
         return self.gamma < 1
