@@ -4,6 +4,7 @@ masking's hit rate, sequential prefill against decoding, generation, and bad con
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,9 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 import flashlm
+import flashlm.engine.runtime as runtime_module
 import flashlm.methods.sparse as sparse_module
+from flashlm.cache import NeuronCache
 from flashlm.engine.runtime import FlashRuntime
 from flashlm.errors import BudgetTooSmallError, ConfigError
 from flashlm.methods import CATSMLP, DIPMLP, SparseMLP, StreamingMLP, reads_ahead
@@ -462,6 +465,56 @@ def test_guessed_reads_are_counted_and_change_plain_dip_not_at_all(gamma, tiny_l
     if gamma == 1.0:
         assert torch.equal(tokens, tokens_g)
         assert (totals["hits"], totals["misses"]) == (totals_g["hits"], totals_g["misses"])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"method": "dip", "density": 0.6, "cache_aware": 0.2}, {"method": "up", "density": 0.6}],
+    ids=["dip-ca", "up"],
+)
+def test_cache_updates_run_at_once_or_on_the_io_thread_alike(options, tiny_llama, monkeypatch) -> None:
+    """A layer's cache updates run on the decode thread when they copy less than
+    `QUEUED_UPDATE_MIN_BYTES`, else on the I/O thread: where they run changes nothing the model computes,
+    reads or keeps (a queued update may evict after its step's counters were read into the stats, so
+    the caches' own counters are compared)."""
+    path, _, store = tiny_llama
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(14))
+    update = NeuronCache.update
+    runs = {}
+    for threshold in (0, 1 << 62):
+        monkeypatch.setattr(runtime_module, "QUEUED_UPDATE_MIN_BYTES", threshold)
+        threads = set()
+
+        def recording(cache, *args, seen=threads, **kwargs):
+            seen.add(threading.current_thread())
+            return update(cache, *args, **kwargs)
+
+        monkeypatch.setattr(NeuronCache, "update", recording)
+        model = load(path, store, cached=0.35, **options)
+        with torch.no_grad():
+            logits = model(ids).logits
+        tokens = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        modules = streaming_mlps(model)
+        modules[0].runtime.drain()
+        totals = flashlm.stats(model).totals()
+        caches = [cache for module in modules for cache in module.caches()]
+        residents = [(cache.slot_of >= 0, cache.hits, cache.misses, cache.evictions) for cache in caches]
+        runs[threshold] = (logits, tokens, totals, residents, threads)
+    (
+        (logits, tokens, totals, residents, queued_on),
+        (logits_now, tokens_now, totals_now, residents_now, run_on),
+    ) = (
+        runs[0],
+        runs[1 << 62],
+    )
+    assert run_on == {threading.main_thread()}
+    assert queued_on and threading.main_thread() not in queued_on
+    assert torch.equal(logits, logits_now) and torch.equal(tokens, tokens_now)
+    for name in ("hits", "misses", "bytes_read"):
+        assert totals[name] == totals_now[name]
+    assert sum(evictions for *_, evictions in residents) > 0
+    for (resident, *counts), (resident_now, *counts_now) in zip(residents, residents_now, strict=True):
+        assert torch.equal(resident, resident_now) and counts == counts_now
 
 
 def test_reads_ahead_where_the_reader_would_read_the_gaps_anyway() -> None:

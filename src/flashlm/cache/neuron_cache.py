@@ -130,6 +130,11 @@ class NeuronCache(nn.Module):
         return num_units * INDEX_ITEMSIZE + policy_state_bytes(policy, num_units)
 
     @property
+    def row_bytes(self) -> int:
+        """Bytes of one slot's row (the dtype the cache holds, which may differ from the store's)."""
+        return self.width * self.rows.element_size()
+
+    @property
     def nbytes(self) -> int:
         """Bytes this cache's own buffers hold: rows, `slot_ids`, `slot_of` (not the policy's state)."""
         return sum(t.numel() * t.element_size() for t in (self.rows, self.slot_ids, self.slot_of))

@@ -39,6 +39,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+QUEUED_UPDATE_MIN_BYTES = 8 << 20
+"""A decode step's cache updates for one layer that copy fewer row bytes than this run at once, on the
+decode thread; larger ones go to the I/O thread (`FlashRuntime.update_caches`). A task on that thread
+costs the decode thread more than its own work: each Python step of the task takes the GIL from the
+decode thread, and a core the task takes stalls torch's parallel regions. On a 2-core AMD EPYC, SmolLM2's
+updates (DIP at a 50% budget: a median 1.8 MB, 0.4 ms, per layer) queued there slowed its decode from
+11-13 tok/s run at once to 9-10, and its attention ran 3x slower beside them; Qwen2.5-1.5B's (DIP-CA,
+a median 26 MB per layer) ran 3% faster queued (`benchmarks/per_token_path.py`)."""
+
+
+@dataclass(frozen=True)
+class CacheUpdate:
+    """One cache's update at the end of a decode step (`run`), and the row bytes it may copy: its
+    misses' rows (whether the cache admits them is the update's call)."""
+
+    run: Callable[[], None]
+    copy_bytes: int
+
+
 @dataclass(frozen=True)
 class Fetch:
     """One kind's missed units of a layer, read in place into a staging matrix: `matrix[u]` is the row
@@ -324,7 +343,7 @@ class FlashRuntime(Runtime):
         self._pending_for: tuple[int, int, tuple[str, ...]] | None = None
         """(layer, buffer, kinds) of the read `_pending` is doing."""
         self._updates: dict[tuple[int, str], Future[None]] = {}
-        """The cache update each (layer, kind) has queued on the I/O thread (`update_later`)."""
+        """The cache update each (layer, kind) has queued on the I/O thread (`update_caches`)."""
         self._guess: Guess | None = None
         """The read `guess` started for the next layer, until that layer `take_guess`es it."""
         self.selections: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
@@ -465,19 +484,22 @@ class FlashRuntime(Runtime):
             perf_counter() - started,
         )
 
-    def update_later(self, layer: int, kinds: tuple[str, ...], update: Callable[[], None]) -> None:
-        """Run `update` of `layer`'s caches of `kinds` (admission and eviction: row copies that grow with
-        the misses) on the I/O thread, off the decode's critical path: one task for a layer's caches,
-        since each hand-over to that thread (a future, a queue put, a wake-up) costs the decode thread
-        microseconds and a GIL handover. The queue is first in,
-        first out, so it runs before any later read that could reuse the staging rows it copies from;
+    def update_caches(self, layer: int, kinds: tuple[str, ...], updates: list[CacheUpdate]) -> None:
+        """Run `layer`'s cache `updates` (one per kind of `kinds`: admission and eviction, row copies that
+        grow with the misses) now, or, when they copy at least `QUEUED_UPDATE_MIN_BYTES`, on the I/O
+        thread, off the decode's critical path, as one task. That queue is first in, first out, so a
+        queued update runs before any later read that could reuse the staging rows it copies from;
         `settle` waits for it before any of those caches is read again."""
-        done = self._io.submit(update)
+        if sum(update.copy_bytes for update in updates) < QUEUED_UPDATE_MIN_BYTES:
+            for update in updates:
+                update.run()
+            return
+        done = self._io.submit(lambda: [update.run() for update in updates])
         for kind in kinds:
             self._updates[(layer, kind)] = done
 
     def settle(self, layer: int, kind: str) -> None:
-        """Wait for the update `update_later` queued for this cache, if any (raising its error)."""
+        """Wait for the update `update_caches` queued for this cache, if any (raising its error)."""
         pending = self._updates.pop((layer, kind), None)
         if pending is not None:
             pending.result()

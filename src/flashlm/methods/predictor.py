@@ -34,7 +34,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ..cache import NeuronCache
-from ..engine.runtime import FlashRuntime, Guess
+from ..engine.runtime import CacheUpdate, FlashRuntime, Guess
 from ..engine.stats import StageTimes
 from ..errors import ConfigError
 from ..ops import ColumnProduct, RowProduct
@@ -225,10 +225,10 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
         *,
         taken: Guess | None = None,
         then: Callable[[], None] | None = None,
-    ) -> Callable[[], None]:
+    ) -> CacheUpdate:
         """Look up and read the units `ids` of `kind`, calling `compute(rows, ids, index)` on the cached ones
         (overlapping the read) and then on the read ones, the row of unit `ids[k]` being `rows[index[k]]`.
-        Returns the cache's update, for the I/O thread.
+        Returns the cache's update (`FlashRuntime.update_caches`).
 
         `taken`: the guess the layer before read for this round (`_taken_guess`), completed by the
         read. `then` runs once the read is submitted (the next layer's guess, `_guess_ahead`, which
@@ -265,18 +265,22 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
         if runtime.trace is not None:
             runtime.trace.record(runtime.step_start, layer, kind, ids)
         step = runtime.step_start
-        return lambda: cache.update(ids, miss_ids, fetched.matrix, step, by_unit=True)
+        return CacheUpdate(
+            lambda: cache.update(ids, miss_ids, fetched.matrix, step, by_unit=True),
+            miss_ids.numel() * cache.row_bytes,
+        )
 
     def _finish(
         self,
-        update: Callable[[], Any],
+        updates: list[CacheUpdate],
         tokens: int,
         before: tuple[int, int, int],
         times: StageTimes,
     ) -> None:
-        """Queue the caches' `update` on the I/O thread and record the forward's counters and times."""
+        """Run or queue the caches' `updates` (`FlashRuntime.update_caches`) and record the forward's
+        counters and times."""
         updating = perf_counter()
-        self.runtime.update_later(self.layer, self.KINDS, update)
+        self.runtime.update_caches(self.layer, self.KINDS, updates)
         times.update_s += perf_counter() - updating
         hits, misses, evictions = (now - then for now, then in zip(self.counters(), before, strict=True))
         self.runtime.stats.record(
@@ -320,7 +324,7 @@ class PredictorMLP(PredictedNeuronsMLP):
         if self.down_bias is not None:
             out += self.down_bias
         times.used_bytes += kept_pairs(mask, ids) * self._row_bytes[BUNDLE]
-        self._finish(update, x.shape[0], before, times)
+        self._finish([update], x.shape[0], before, times)
         return out.to(hidden_states.dtype).reshape(hidden_states.shape)
 
     def _bundles(
@@ -402,5 +406,5 @@ class PredictedGatesMLP(PredictedNeuronsMLP):
         # The gate cache's update may wait past the second round: it copies from the gate kind's
         # staging matrix, which no read reuses before the next layer's forward (its guess reads into
         # the other one).
-        self._finish(lambda: (update_gates(), update_up_downs()), tokens, before, times)
+        self._finish([update_gates, update_up_downs], tokens, before, times)
         return out.to(hidden_states.dtype).reshape(hidden_states.shape)

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import NeuronCache
-from ..engine.runtime import FlashRuntime
+from ..engine.runtime import CacheUpdate, FlashRuntime
 from ..engine.stats import StageTimes
 from ..errors import ConfigError, UnsupportedArchitectureError
 from ..ops import ColumnProduct, RowProduct
@@ -308,7 +308,7 @@ class SparseMLP(Selection, FlashMLP):
             updating = perf_counter()
             # Deferring the input cache's update past the output stage is safe: it copies from the
             # input kind's staging buffer, which no read reuses before the next layer's forward.
-            runtime.update_later(self.layer, self.KINDS, lambda: (update_in(), update_out()))
+            runtime.update_caches(self.layer, self.KINDS, [update_in, update_out])
             times.update_s += perf_counter() - updating
 
         hits, misses, evictions = (now - then for now, then in zip(self.counters(), before, strict=True))
@@ -354,8 +354,8 @@ class SparseMLP(Selection, FlashMLP):
         every uncached unit of the layer's kinds, already submitted).
 
         Returns (mask, parts, finish); `finish()`, once the stage's rows are computed, returns the
-        cache's update (None where the stage updated the cache itself), for the I/O thread to run before
-        any later read reuses the staging buffer.
+        cache's update (None where the stage updated the cache itself), for the runtime to run before
+        any later read reuses the staging buffer (`FlashRuntime.update_caches`).
         """
         runtime, layer = self.runtime, self.layer
         runtime.settle(layer, kind)
@@ -393,12 +393,15 @@ class SparseMLP(Selection, FlashMLP):
             cache.rows[: cache.size], cache.slot_ids[: cache.size], pending, kind, miss_ids, times, whole
         )
 
-        def finish() -> Callable[[], None]:
+        def finish() -> CacheUpdate:
             fetched = parts.fetched
             if runtime.trace is not None:
                 runtime.trace.record(runtime.step_start, layer, kind, ids)
             step = runtime.step_start
-            return lambda: cache.update(ids, miss_ids, fetched.matrix, step, by_unit=True)
+            return CacheUpdate(
+                lambda: cache.update(ids, miss_ids, fetched.matrix, step, by_unit=True),
+                miss_ids.numel() * cache.row_bytes,
+            )
 
         return mask, parts, finish
 
