@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+from unittest import mock
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import flashlm.cache.neuron_cache as neuron_cache
 from flashlm._utils import format_bytes
 from flashlm.cache import (
     BudgetPlan,
@@ -111,6 +114,22 @@ def run_step(cache: NeuronCache, used: list[int], step: int) -> tuple[int, int, 
     return cache.hits - before[0], cache.misses - before[1], cache.evictions - before[2]
 
 
+ADMISSIONS = ["native", "torch"]
+
+
+@contextlib.contextmanager
+def admission(path: str):
+    """The cache's record and admission in C (`flashlm_record`, `flashlm_admit`; skipped without a C
+    compiler) or the policy's and the cache's torch operators."""
+    if path == "native":
+        if neuron_cache._native_policy() is None:
+            pytest.skip("no C compiler: the native admission is not built")
+        yield
+    else:
+        with mock.patch.object(neuron_cache, "_native_policy", lambda: None):
+            yield
+
+
 def random_trace(rng: random.Random, num_units: int, steps: int) -> list[list[int]]:
     """Steps drawing mostly from a drifting hot set, so hits, misses and evictions all happen."""
     hot = rng.sample(range(num_units), max(1, num_units // 3))
@@ -135,15 +154,49 @@ def assert_matches_reference(policy: str, num_units: int, capacity: int, window:
 # ---- policies against the reference ---------------------------------------------------------
 
 
+@pytest.mark.parametrize("path", ADMISSIONS)
 @pytest.mark.parametrize("policy", ["lru", "lfu", "window", "atu"])
 @pytest.mark.parametrize("seed", range(8))
-def test_matches_reference_on_seeded_traces(policy: str, seed: int) -> None:
+def test_matches_reference_on_seeded_traces(policy: str, seed: int, path: str) -> None:
     rng = random.Random(seed)
     num_units = rng.randrange(1, 64)
     capacity = rng.randrange(num_units + 1)
-    assert_matches_reference(
-        policy, num_units, capacity, rng.randrange(1, 6), random_trace(rng, num_units, 60)
-    )
+    with admission(path):
+        assert_matches_reference(
+            policy, num_units, capacity, rng.randrange(1, 6), random_trace(rng, num_units, 60)
+        )
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "window", "atu"])
+@pytest.mark.parametrize("seed", range(8))
+def test_native_admission_places_every_unit_where_the_torch_one_does(policy: str, seed: int) -> None:
+    """Same slots, rows, size, evictions and unit-prefix flag after every step, pinned units or not,
+    with the rows read in place by unit (`by_unit`, the sparse methods' staging matrices)."""
+    rng = random.Random(seed)
+    num_units = rng.randrange(1, 64)
+    capacity = rng.randrange(num_units + 1)
+    caches = {path: make_cache(policy, num_units, capacity) for path in ADMISSIONS}
+    staging = unit_rows(torch.arange(num_units), caches["native"])
+    pinned = torch.tensor(sorted(rng.sample(range(num_units), rng.randrange(capacity // 2 + 1))))
+    for path, cache in caches.items():
+        if pinned.numel():
+            with admission(path):
+                cache.pin(pinned, staging)
+    for step, used in enumerate(random_trace(rng, num_units, 60)):
+        ids = torch.tensor(used, dtype=torch.int64)
+        for path, cache in caches.items():
+            with admission(path):
+                cache.update(ids, cache.find_misses(ids), staging, step, by_unit=True)
+            check_invariants(cache)
+        native, reference = caches["native"], caches["torch"]
+        assert torch.equal(native.slot_ids, reference.slot_ids), f"step {step}"
+        assert torch.equal(native.slot_of, reference.slot_of) and torch.equal(native.rows, reference.rows)
+        assert (native.size, native.evictions, native.holds_unit_prefix) == (
+            reference.size,
+            reference.evictions,
+            reference.holds_unit_prefix,
+        )
+    assert caches["native"].evictions > 0 or capacity in (0, num_units)
 
 
 @settings(max_examples=150, deadline=None)
@@ -268,12 +321,17 @@ def test_rows_are_preallocated_once() -> None:
 # ---- pinned units (the hot set) ------------------------------------------------------------
 
 
+@pytest.mark.parametrize("path", ADMISSIONS)
 @pytest.mark.parametrize("policy", ["lru", "lfu", "window", "atu"])
 @pytest.mark.parametrize("seed", range(6))
-def test_pinned_units_stay_and_the_rest_is_a_smaller_cache(policy: str, seed: int) -> None:
+def test_pinned_units_stay_and_the_rest_is_a_smaller_cache(policy: str, seed: int, path: str) -> None:
     """A cache of capacity C with the units P pinned holds P always, and beside them exactly what a
     cache of C - |P| slots holds when fed the requests without P (the policy never ranks P)."""
-    rng = random.Random(seed)
+    with admission(path):
+        check_pinned_units_stay(policy, random.Random(seed))
+
+
+def check_pinned_units_stay(policy: str, rng: random.Random) -> None:
     num_units, capacity = 24, 12
     pinned = torch.tensor(sorted(rng.sample(range(num_units), rng.randrange(1, capacity + 1))))
     cache = make_cache(policy, num_units, capacity)

@@ -47,6 +47,29 @@ def _native_missing() -> Callable[..., int] | None:
     return function
 
 
+@dataclass(frozen=True)
+class _NativePolicy:
+    admit: Callable[..., int]
+    record: Callable[..., int]
+
+
+@functools.cache
+def _native_policy() -> _NativePolicy | None:
+    """`flashlm_admit` and `flashlm_record` of `_lookup.c` (called with the GIL held), for the policies
+    with `priority_terms`; None without a C compiler."""
+    library = load_library(Path(__file__).with_name("_lookup.c"), "lookup", hold_gil=True)
+    if library is None:
+        return None
+    pointer, integer = ctypes.c_void_p, ctypes.c_int64
+    admit, record = library.flashlm_admit, library.flashlm_record
+    admit.argtypes = (
+        [pointer, integer, pointer, integer, integer, integer] + [pointer] * 3 + [integer] + [pointer] * 3
+    )
+    record.argtypes = [pointer, pointer, integer, pointer, integer, integer]
+    admit.restype = record.restype = integer
+    return _NativePolicy(admit, record)
+
+
 @dataclass
 class CacheCounters:
     hits: int = 0
@@ -234,8 +257,10 @@ class NeuronCache(nn.Module):
         matrix read in place). Which misses are kept, and whom they displace, follows the admission
         rule in the module docstring.
         """
-        used_ids, miss_ids = used_ids.to(self.slot_of.device), miss_ids.to(self.slot_of.device)
-        self.policy.record(used_ids, step)
+        device = self.slot_of.device
+        if used_ids.device != device or miss_ids.device != device:  # a no-op `.to` still costs an operator
+            used_ids, miss_ids = used_ids.to(device), miss_ids.to(device)
+        self._record(used_ids, step)
         if self.size > self.pinned and self.policy.EXPIRES:
             self._delete(self.policy.expired(self.resident_ids[self.pinned :], step))
         self._admit(miss_ids, miss_rows, None if by_unit else miss_ids if row_ids is None else row_ids)
@@ -268,6 +293,10 @@ class NeuronCache(nn.Module):
         """
         if self.capacity == self.pinned or ids.numel() == 0:
             return
+        native, terms = self._native_terms(ids)
+        if native is not None:
+            self._admit_natively(native.admit, terms, ids, rows, row_ids)
+            return
         fresh = self.missing(ids.to(self.slot_of.device))
         free = self.capacity - self.size
         if fresh.numel() <= free:
@@ -296,6 +325,72 @@ class NeuronCache(nn.Module):
             self._unit_prefix = False
         self._append(entering[evicted.numel() :], rows, row_ids)
 
+    def _native_terms(
+        self, ids: torch.Tensor
+    ) -> tuple[_NativePolicy, tuple[torch.Tensor | None, torch.Tensor]] | tuple[None, None]:
+        """The C policy functions and the policy's `priority_terms`, where they serve this cache and `ids`."""
+        terms = self.policy.priority_terms()
+        native = _native_policy()
+        if native is None or terms is None or not self.slot_of.is_cpu or ids.dtype != INDEX_DTYPE:
+            return None, None
+        return native, terms
+
+    def _record(self, ids: torch.Tensor, step: int) -> None:
+        """The policy's `record`, in C where the policy has `priority_terms` (whose `record` it is)."""
+        native, terms = self._native_terms(ids)
+        if native is None:
+            self.policy.record(ids, step)
+            return
+        ids = ids.contiguous()
+        count, last_step = terms
+        pointers = (None if count is None else count.data_ptr(), last_step.data_ptr())
+        if native.record(*pointers, self.num_units, ids.data_ptr(), ids.numel(), step):
+            raise IndexError(f"unit ids must lie in [0, {self.num_units}), got {ids.min()}..{ids.max()}.")
+
+    def _admit_natively(
+        self,
+        native: Callable[..., int],
+        terms: tuple[torch.Tensor | None, torch.Tensor],
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        row_ids: torch.Tensor | None,
+    ) -> None:
+        """`_admit` in one call to C (`flashlm_admit`: the same rule, the index updated there), then one
+        copy of the entering rows: a few microseconds where the torch operators above take a few
+        hundred, on the decode thread at every layer of every step."""
+        ids = ids.contiguous()
+        count, last_step = terms
+        placed = torch.empty(2, ids.numel(), dtype=INDEX_DTYPE)  # units entering, their slots
+        info = (ctypes.c_int64 * 3)()
+        entered = native(
+            self.slot_of.data_ptr(),
+            self.num_units,
+            self.slot_ids.data_ptr(),
+            self.capacity,
+            self.pinned,
+            self.size,
+            None if count is None else count.data_ptr(),
+            last_step.data_ptr(),
+            ids.data_ptr(),
+            ids.numel(),
+            placed[0].data_ptr(),
+            placed[1].data_ptr(),
+            info,
+        )
+        if entered == -1:
+            raise IndexError(f"unit ids must lie in [0, {self.num_units}), got {ids.min()}..{ids.max()}.")
+        if entered < 0:
+            raise MemoryError("The cache's admission could not allocate its scratch memory.")
+        evicted, size, appended_in_order = info
+        if entered:
+            self._copy_rows(placed[1, :entered], placed[0, :entered], rows, row_ids)
+        if evicted:
+            self.counters.evictions += evicted
+            self._unit_prefix = False
+        elif size > self.size:
+            self._unit_prefix = self._unit_prefix and bool(appended_in_order)
+        self.size = size
+
     def _append(self, ids: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor | None) -> None:
         """Put units `ids` (ascending) into the free slots after the occupied ones."""
         if ids.numel() == 0:
@@ -312,10 +407,17 @@ class NeuronCache(nn.Module):
     ) -> None:
         """Write units `ids` into `slots`, their rows gathered from `rows` (row `i` holds unit
         `row_ids[i]`, ascending), and index them. Only the rows that enter are gathered."""
-        at = ids if row_ids is None else torch.searchsorted(row_ids.to(ids.device), ids)
-        self.rows[slots] = rows[at.to(rows.device)].to(device=self.rows.device, dtype=self.rows.dtype)
+        self._copy_rows(slots, ids, rows, row_ids)
         self.slot_ids[slots] = ids
         self.slot_of[ids] = slots
+
+    def _copy_rows(
+        self, slots: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor | None
+    ) -> None:
+        """Write the rows of units `ids` into `slots` (row `i` of `rows` holds unit `row_ids[i]`, ascending,
+        or unit `i` without `row_ids`)."""
+        at = ids if row_ids is None else torch.searchsorted(row_ids.to(ids.device), ids)
+        self.rows[slots] = rows[at.to(rows.device)].to(device=self.rows.device, dtype=self.rows.dtype)
 
     def _delete(self, doomed: torch.Tensor) -> None:
         """Remove the residents flagged in `doomed` (a mask over the unpinned slots `pinned .. size-1`)

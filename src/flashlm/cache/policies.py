@@ -100,6 +100,12 @@ class EvictionPolicy(nn.Module):
         """int64 worth of keeping each unit: higher stays. Comparable across residents and candidates."""
         raise NotImplementedError
 
+    def priority_terms(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """`(count, last_step)` state vectors where `priority` is `count * 2**32 + last_step` (`count`
+        None: 0) and `record` adds one to `count` and sets `last_step`: the cache's C path then ranks and
+        records on them itself (`NeuronCache._record`, `_admit`). None where the policy is otherwise."""
+        return None
+
     def expired(self, ids: torch.Tensor, step: int) -> torch.Tensor:
         """Which of the resident units `ids` must leave at `step` whatever the pressure (none by default)."""
         return torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
@@ -121,6 +127,9 @@ class LRUPolicy(EvictionPolicy):
     def priority(self, ids: torch.Tensor) -> torch.Tensor:
         return self.last_step[ids]
 
+    def priority_terms(self) -> tuple[None, torch.Tensor]:
+        return None, self.last_step
+
 
 @register_policy("lfu")
 class LFUPolicy(EvictionPolicy):
@@ -141,6 +150,9 @@ class LFUPolicy(EvictionPolicy):
 
     def priority(self, ids: torch.Tensor) -> torch.Tensor:
         return self.count[ids] * 2**32 + self.last_step[ids]
+
+    def priority_terms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.count, self.last_step
 
 
 @register_policy("window")
@@ -166,6 +178,9 @@ class WindowPolicy(EvictionPolicy):
 
     def priority(self, ids: torch.Tensor) -> torch.Tensor:
         return self.last_step[ids]
+
+    def priority_terms(self) -> tuple[None, torch.Tensor]:
+        return None, self.last_step
 
     def expired(self, ids: torch.Tensor, step: int) -> torch.Tensor:
         return self.last_step[ids] <= step - self.window
