@@ -8,6 +8,8 @@ the same prompt: a prefill, then greedy decoding, each step timed alone.
   token that flashlm's compute is held against.
 - `dense@resident`: flashlm dense streaming with a budget that holds every unit (after the first step
   nothing is read), against `ram`'s tokens/s.
+- `dip-ca@D-resident`: DIP-CA with a budget that holds every unit: a sparse method's own per-token
+  cost (selection, cache bookkeeping, compute) once nothing is read.
 - `dense@50%`, `dip@D`, `dip-ca@D`: dense streaming, DIP and DIP-CA with half the MLP bytes;
   `dense@50%-no-read-ahead` reads each layer when it runs, so its compute runs with no reads
   beside it: what overlapped I/O costs the compute on this machine.
@@ -73,6 +75,10 @@ def configurations(density: float) -> list[dict[str, Any]]:
         {
             "name": f"dip-ca@{density}",
             "options": {"memory_budget": "50%", "method": "dip", "density": density, "cache_aware": 0.2},
+        },
+        {
+            "name": f"dip-ca@{density}-resident",
+            "options": {"memory_budget": "115%", "method": "dip", "density": density, "cache_aware": 0.2},
         },
         # in RAM, but idle before each MLP as long as dense@50% waited for its reads: the MLP time that
         # dense@50%'s compute, which also starts after a wait, is compared with in `idle_comparison`
