@@ -167,16 +167,20 @@ def test_matches_reference_on_seeded_traces(policy: str, seed: int, path: str) -
         )
 
 
+@pytest.mark.parametrize("staging_dtype", [torch.float32, torch.bfloat16], ids=["same-dtype", "converted"])
 @pytest.mark.parametrize("policy", ["lru", "lfu", "window", "atu"])
 @pytest.mark.parametrize("seed", range(8))
-def test_native_admission_places_every_unit_where_the_torch_one_does(policy: str, seed: int) -> None:
+def test_native_admission_places_every_unit_where_the_torch_one_does(
+    policy: str, seed: int, staging_dtype: torch.dtype
+) -> None:
     """Same slots, rows, size, evictions and unit-prefix flag after every step, pinned units or not,
-    with the rows read in place by unit (`by_unit`, the sparse methods' staging matrices)."""
+    with the rows read in place by unit (`by_unit`, the sparse methods' staging matrices), in the
+    cache's dtype (copied in C) or another (converted by torch)."""
     rng = random.Random(seed)
     num_units = rng.randrange(1, 64)
     capacity = rng.randrange(num_units + 1)
     caches = {path: make_cache(policy, num_units, capacity) for path in ADMISSIONS}
-    staging = unit_rows(torch.arange(num_units), caches["native"])
+    staging = unit_rows(torch.arange(num_units), caches["native"]).to(staging_dtype)
     pinned = torch.tensor(sorted(rng.sample(range(num_units), rng.randrange(capacity // 2 + 1))))
     for path, cache in caches.items():
         if pinned.numel():

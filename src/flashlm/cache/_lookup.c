@@ -8,6 +8,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* Writes to `out`, in order, the `ids` whose `slot_of` is negative; returns their count, or -1 (having
  * written an unspecified prefix) if an id lies outside 0 .. num_units-1. */
@@ -125,5 +126,16 @@ int64_t flashlm_record(int64_t *count, int64_t *last_step, int64_t num_units, co
         if (count) count[ids[i]] += 1;
         last_step[ids[i]] = step;
     }
+    return 0;
+}
+
+/* Row `at[i]` of `src` (of `src_rows` rows) into row `slots[i]` of `dst`, for i < n: the entering units'
+ * rows copied into their slots in one pass, with no gathered copy between. Returns 0, or -1 (nothing
+ * copied) if an `at` lies outside 0 .. src_rows-1. */
+int64_t flashlm_copy_rows(char *dst, int64_t dst_stride, const int64_t *slots, const char *src, int64_t src_stride,
+                          int64_t src_rows, const int64_t *at, int64_t n, int64_t row_bytes) {
+    for (int64_t i = 0; i < n; i++)
+        if (at[i] < 0 || at[i] >= src_rows) return -1;
+    for (int64_t i = 0; i < n; i++) memcpy(dst + slots[i] * dst_stride, src + at[i] * src_stride, row_bytes);
     return 0;
 }

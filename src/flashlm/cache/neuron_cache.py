@@ -51,23 +51,25 @@ def _native_missing() -> Callable[..., int] | None:
 class _NativePolicy:
     admit: Callable[..., int]
     record: Callable[..., int]
+    copy_rows: Callable[..., int]
 
 
 @functools.cache
 def _native_policy() -> _NativePolicy | None:
-    """`flashlm_admit` and `flashlm_record` of `_lookup.c` (called with the GIL held), for the policies
-    with `priority_terms`; None without a C compiler."""
+    """`flashlm_admit`, `flashlm_record` and `flashlm_copy_rows` of `_lookup.c` (called with the GIL held),
+    for the policies with `priority_terms`; None without a C compiler."""
     library = load_library(Path(__file__).with_name("_lookup.c"), "lookup", hold_gil=True)
     if library is None:
         return None
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    admit, record = library.flashlm_admit, library.flashlm_record
+    admit, record, copy_rows = library.flashlm_admit, library.flashlm_record, library.flashlm_copy_rows
     admit.argtypes = (
         [pointer, integer, pointer, integer, integer, integer] + [pointer] * 3 + [integer] + [pointer] * 3
     )
     record.argtypes = [pointer, pointer, integer, pointer, integer, integer]
-    admit.restype = record.restype = integer
-    return _NativePolicy(admit, record)
+    copy_rows.argtypes = [pointer, integer, pointer, pointer, integer, integer, pointer, integer, integer]
+    admit.restype = record.restype = copy_rows.restype = integer
+    return _NativePolicy(admit, record, copy_rows)
 
 
 @dataclass
@@ -295,7 +297,7 @@ class NeuronCache(nn.Module):
             return
         native, terms = self._native_terms(ids)
         if native is not None:
-            self._admit_natively(native.admit, terms, ids, rows, row_ids)
+            self._admit_natively(native, terms, ids, rows, row_ids)
             return
         fresh = self.missing(ids.to(self.slot_of.device))
         free = self.capacity - self.size
@@ -349,7 +351,7 @@ class NeuronCache(nn.Module):
 
     def _admit_natively(
         self,
-        native: Callable[..., int],
+        native: _NativePolicy,
         terms: tuple[torch.Tensor | None, torch.Tensor],
         ids: torch.Tensor,
         rows: torch.Tensor,
@@ -362,7 +364,7 @@ class NeuronCache(nn.Module):
         count, last_step = terms
         placed = torch.empty(2, ids.numel(), dtype=INDEX_DTYPE)  # units entering, their slots
         info = (ctypes.c_int64 * 3)()
-        entered = native(
+        entered = native.admit(
             self.slot_of.data_ptr(),
             self.num_units,
             self.slot_ids.data_ptr(),
@@ -383,7 +385,7 @@ class NeuronCache(nn.Module):
             raise MemoryError("The cache's admission could not allocate its scratch memory.")
         evicted, size, appended_in_order = info
         if entered:
-            self._copy_rows(placed[1, :entered], placed[0, :entered], rows, row_ids)
+            self._copy_rows(placed[1, :entered], placed[0, :entered], rows, row_ids, native)
         if evicted:
             self.counters.evictions += evicted
             self._unit_prefix = False
@@ -412,11 +414,35 @@ class NeuronCache(nn.Module):
         self.slot_of[ids] = slots
 
     def _copy_rows(
-        self, slots: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor | None
+        self,
+        slots: torch.Tensor,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        row_ids: torch.Tensor | None,
+        native: _NativePolicy | None = None,
     ) -> None:
         """Write the rows of units `ids` into `slots` (row `i` of `rows` holds unit `row_ids[i]`, ascending,
-        or unit `i` without `row_ids`)."""
+        or unit `i` without `row_ids`): with `native`, one pass in C where the rows need no conversion
+        and no move (no gathered copy in between), else a gather and a scatter."""
         at = ids if row_ids is None else torch.searchsorted(row_ids.to(ids.device), ids)
+        if native is not None and rows.dtype == self.rows.dtype and rows.is_cpu and rows.stride(1) == 1:
+            itemsize = rows.element_size()
+            status = native.copy_rows(
+                self.rows.data_ptr(),
+                self.rows.stride(0) * itemsize,
+                slots.contiguous().data_ptr(),
+                rows.data_ptr(),
+                rows.stride(0) * itemsize,
+                rows.shape[0],
+                at.contiguous().data_ptr(),
+                at.numel(),
+                self.width * itemsize,
+            )
+            if status:
+                raise IndexError(
+                    f"rows has {rows.shape[0]} rows; rows {int(at.min())}..{int(at.max())} asked."
+                )
+            return
         self.rows[slots] = rows[at.to(rows.device)].to(device=self.rows.device, dtype=self.rows.dtype)
 
     def _delete(self, doomed: torch.Tensor) -> None:
