@@ -49,13 +49,8 @@ static inline int64_t priority_of(const int64_t *count, const int64_t *last_step
 int64_t flashlm_admit(int64_t *slot_of, int64_t num_units, int64_t *slot_ids, int64_t capacity, int64_t pinned,
                       int64_t size, const int64_t *count, const int64_t *last_step, const int64_t *ids, int64_t n,
                       int64_t *entering, int64_t *slots, int64_t *info) {
-    int64_t fresh = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t u = ids[i];
-        if (u < 0 || u >= num_units) return -1;
-        entering[fresh] = u;
-        fresh += slot_of[u] < 0;
-    }
+    const int64_t fresh = flashlm_missing(slot_of, num_units, ids, n, entering);
+    if (fresh < 0) return -1;
     const int64_t free_slots = capacity - size;
     info[0] = 0;
     info[1] = size;
