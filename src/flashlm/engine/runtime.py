@@ -45,7 +45,7 @@ decode thread; larger ones go to the I/O thread (`FlashRuntime.update_caches`). 
 costs the decode thread more than its own work: each Python step of the task takes the GIL from the
 decode thread, and a core the task takes stalls torch's parallel regions. On a 2-core AMD EPYC, SmolLM2's
 updates (DIP at a 50% budget: a median 1.8 MB, 0.4 ms, per layer) queued there slowed its decode from
-11-13 tok/s run at once to 9-10, and its attention ran 3x slower beside them; Qwen2.5-1.5B's (DIP-CA,
+11-13 tok/s run at once to 9-10, and its attention ran 2-3x slower beside them; Qwen2.5-1.5B's (DIP-CA,
 a median 26 MB per layer) ran 3% faster queued (`benchmarks/per_token_path.py`)."""
 
 
