@@ -475,8 +475,7 @@ def test_guessed_reads_are_counted_and_change_plain_dip_not_at_all(gamma, tiny_l
 def test_cache_updates_run_at_once_or_on_the_io_thread_alike(options, tiny_llama, monkeypatch) -> None:
     """A layer's cache updates run on the decode thread when they copy less than
     `QUEUED_UPDATE_MIN_BYTES`, else on the I/O thread: where they run changes nothing the model computes,
-    reads or keeps (a queued update may evict after its step's counters were read into the stats, so
-    the caches' own counters are compared)."""
+    reads, keeps or counts."""
     path, _, store = tiny_llama
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(14))
     update = NeuronCache.update
@@ -510,7 +509,7 @@ def test_cache_updates_run_at_once_or_on_the_io_thread_alike(options, tiny_llama
     assert run_on == {threading.main_thread()}
     assert queued_on and threading.main_thread() not in queued_on
     assert torch.equal(logits, logits_now) and torch.equal(tokens, tokens_now)
-    for name in ("hits", "misses", "bytes_read"):
+    for name in ("hits", "misses", "evictions", "bytes_read"):
         assert totals[name] == totals_now[name]
     assert sum(evictions for *_, evictions in residents) > 0
     for (resident, *counts), (resident_now, *counts_now) in zip(residents, residents_now, strict=True):

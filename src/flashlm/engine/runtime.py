@@ -489,12 +489,22 @@ class FlashRuntime(Runtime):
         grow with the misses) now, or, when they copy at least `QUEUED_UPDATE_MIN_BYTES`, on the I/O
         thread, off the decode's critical path, as one task. That queue is first in, first out, so a
         queued update runs before any later read that could reuse the staging rows it copies from;
-        `settle` waits for it before any of those caches is read again."""
+        `settle` waits for it before any of those caches is read again. A queued update records its
+        evictions itself (a forward counts from `FlashMLP.settled_counters`, so not twice)."""
         if sum(update.copy_bytes for update in updates) < QUEUED_UPDATE_MIN_BYTES:
             for update in updates:
                 update.run()
             return
-        done = self._io.submit(lambda: [update.run() for update in updates])
+        caches = [self.caches[(layer, kind)] for kind in kinds]
+
+        def run_and_count() -> None:
+            # The forward that queued this recorded its counters already: the evictions are recorded here.
+            before = sum(cache.evictions for cache in caches)
+            for update in updates:
+                update.run()
+            self.stats.record(layer, evictions=sum(cache.evictions for cache in caches) - before)
+
+        done = self._io.submit(run_and_count)
         for kind in kinds:
             self._updates[(layer, kind)] = done
 

@@ -315,6 +315,13 @@ class FlashMLP(MethodModule):
             for name in biases:
                 getattr(self, name).copy_(resident[name])
 
+    def settled_counters(self) -> tuple[int, int, int]:
+        """`counters` once the cache updates queued for this layer have run (a forward's starting point:
+        a queued update records its own evictions, `FlashRuntime.update_caches`)."""
+        for kind in self.KINDS:
+            self.runtime.settle(self.layer, kind)
+        return self.counters()
+
     def counters(self) -> tuple[int, int, int]:
         """(hits, misses, evictions) summed over this module's caches."""
         caches = self.caches()

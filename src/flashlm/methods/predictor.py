@@ -310,7 +310,7 @@ class PredictorMLP(PredictedNeuronsMLP):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x = self._tokens_of(hidden_states)
-        before, times = self.counters(), StageTimes()
+        before, times = self.settled_counters(), StageTimes()
         mask = self._timed_select(x, times)
         out = x.new_zeros(x.shape[0], self.d_model, dtype=torch.float32)
 
@@ -373,7 +373,7 @@ class PredictedGatesMLP(PredictedNeuronsMLP):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x = self._tokens_of(hidden_states)
         tokens, d = x.shape[0], self.d_model
-        before, times = self.counters(), StageTimes()
+        before, times = self.settled_counters(), StageTimes()
         predicted = self._timed_select(x, times)
         gate = x.new_zeros(tokens, self.d_ff)
 

@@ -279,7 +279,7 @@ class SparseMLP(Selection, FlashMLP):
         runtime = self.runtime
         x = self._tokens_of(hidden_states)
         tokens = x.shape[0]
-        before = self.counters()
+        before = self.settled_counters()
         times = StageTimes()
         sequential = tokens > 1 and runtime.config.sequential_prefill
 
