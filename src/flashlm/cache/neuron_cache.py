@@ -262,10 +262,13 @@ class NeuronCache(nn.Module):
         device = self.slot_of.device
         if used_ids.device != device or miss_ids.device != device:  # a no-op `.to` still costs an operator
             used_ids, miss_ids = used_ids.to(device), miss_ids.to(device)
-        self._record(used_ids, step)
+        native, terms = self._native_terms(used_ids, miss_ids)  # once per update, for both calls
+        self._record(used_ids, step, native, terms)
         if self.size > self.pinned and self.policy.EXPIRES:
             self._delete(self.policy.expired(self.resident_ids[self.pinned :], step))
-        self._admit(miss_ids, miss_rows, None if by_unit else miss_ids if row_ids is None else row_ids)
+        self._admit(
+            miss_ids, miss_rows, None if by_unit else miss_ids if row_ids is None else row_ids, native, terms
+        )
 
     def clear(self) -> None:
         """Empty the cache, pinned units too, and forget the policy's history; counters stay."""
@@ -285,9 +288,17 @@ class NeuronCache(nn.Module):
         self._append(ids.to(self.slot_of.device), rows, None)
         self.pinned = ids.numel()
 
-    def _admit(self, ids: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor | None) -> None:
+    def _admit(
+        self,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        row_ids: torch.Tensor | None,
+        native: _NativePolicy | None,
+        terms: tuple[torch.Tensor | None, torch.Tensor] | None,
+    ) -> None:
         """Admit the non-resident units among the sorted `ids`: free slots first, then displace weaker
-        residents. `rows[i]` is the row of unit `row_ids[i]`, or of unit `i` with `row_ids` None.
+        residents. `rows[i]` is the row of unit `row_ids[i]`, or of unit `i` with `row_ids` None; in C
+        with `native` (`_native_terms`).
 
         Cheap paths first: candidates that all fit go into the free slots in unit order (no ranking);
         a full cache whose best candidate is no better than its weakest resident changes nothing (two
@@ -295,7 +306,6 @@ class NeuronCache(nn.Module):
         """
         if self.capacity == self.pinned or ids.numel() == 0:
             return
-        native, terms = self._native_terms(ids)
         if native is not None:
             self._admit_natively(native, terms, ids, rows, row_ids)
             return
@@ -328,18 +338,25 @@ class NeuronCache(nn.Module):
         self._append(entering[evicted.numel() :], rows, row_ids)
 
     def _native_terms(
-        self, ids: torch.Tensor
+        self, *ids: torch.Tensor
     ) -> tuple[_NativePolicy, tuple[torch.Tensor | None, torch.Tensor]] | tuple[None, None]:
         """The C policy functions and the policy's `priority_terms`, where they serve this cache and `ids`."""
         terms = self.policy.priority_terms()
         native = _native_policy()
-        if native is None or terms is None or not self.slot_of.is_cpu or ids.dtype != INDEX_DTYPE:
+        if native is None or terms is None or not self.slot_of.is_cpu:
+            return None, None
+        if any(unit_ids.dtype != INDEX_DTYPE for unit_ids in ids):
             return None, None
         return native, terms
 
-    def _record(self, ids: torch.Tensor, step: int) -> None:
-        """The policy's `record`, in C where the policy has `priority_terms` (whose `record` it is)."""
-        native, terms = self._native_terms(ids)
+    def _record(
+        self,
+        ids: torch.Tensor,
+        step: int,
+        native: _NativePolicy | None,
+        terms: tuple[torch.Tensor | None, torch.Tensor] | None,
+    ) -> None:
+        """The policy's `record`, in C with `native` (the policy has `priority_terms`: it is their record)."""
         if native is None:
             self.policy.record(ids, step)
             return
