@@ -119,14 +119,14 @@ ADMISSIONS = ["native", "torch"]
 
 @contextlib.contextmanager
 def admission(path: str):
-    """The cache's record and admission in C (`flashlm_record`, `flashlm_admit`; skipped without a C
+    """The cache's record, expiry and admission in one call to C (`flashlm_update`; skipped without a C
     compiler) or the policy's and the cache's torch operators."""
     if path == "native":
-        if neuron_cache._native_policy() is None:
+        if neuron_cache._native_update() is None:
             pytest.skip("no C compiler: the native admission is not built")
         yield
     else:
-        with mock.patch.object(neuron_cache, "_native_policy", lambda: None):
+        with mock.patch.object(neuron_cache, "_native_update", lambda: None):
             yield
 
 
@@ -297,7 +297,29 @@ def test_capacity_zero_misses_everything() -> None:
             assert run_step(cache, [1, 2, 3], step) == (0, 3, 0)
         assert cache.size == 0
         assert cache.rows.shape == (0, WIDTH)
-        assert cache.policy.priority(torch.tensor([1])).item() != -1  # the policy still records
+        # The policy's state serves ranking (never done without a slot to give) and expiry: only the
+        # expiring policies record.
+        recorded = cache.policy.priority(torch.tensor([1])).item() != -1
+        assert recorded == cache.policy.EXPIRES, policy
+
+
+@pytest.mark.parametrize("path", ADMISSIONS)
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_cache_that_never_ranks_records_nothing(policy: str, path: str) -> None:
+    """A slot for every unit (or every slot pinned): admission never ranks, so the step's record is
+    skipped, and a step with no miss does nothing at all."""
+    with admission(path):
+        for capacity, pinned in ((6, 0), (3, 3)):
+            cache = make_cache(policy, 6, capacity)
+            if pinned:
+                cache.pin(torch.arange(pinned), unit_rows(torch.arange(6), cache))
+            for step in range(3):
+                run_step(cache, [1, 2, 4], step)
+            assert cache.policy.priority(torch.arange(6)).tolist() == [-1] * 6
+            assert cache.resident_ids.tolist() == ([1, 2, 4] if pinned == 0 else [0, 1, 2])
+        ranking = make_cache(policy, 6, 5)
+        run_step(ranking, [1, 2, 4], 0)
+        assert ranking.policy.priority(torch.tensor([1])).item() != -1
 
 
 def test_clear_and_reset_counters() -> None:

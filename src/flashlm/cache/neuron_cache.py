@@ -29,7 +29,7 @@ from torch import nn
 
 from .._native import load_library
 from ..errors import ConfigError
-from .policies import EvictionPolicy, policy_state_bytes
+from .policies import EvictionPolicy, PriorityTerms, policy_state_bytes
 
 INDEX_DTYPE = torch.int64
 INDEX_ITEMSIZE = torch.empty((), dtype=INDEX_DTYPE).element_size()
@@ -47,29 +47,61 @@ def _native_missing() -> Callable[..., int] | None:
     return function
 
 
-@dataclass(frozen=True)
-class _NativePolicy:
-    admit: Callable[..., int]
-    record: Callable[..., int]
-    copy_rows: Callable[..., int]
-
-
 @functools.cache
-def _native_policy() -> _NativePolicy | None:
-    """`flashlm_admit`, `flashlm_record` and `flashlm_copy_rows` of `_lookup.c` (called with the GIL held),
-    for the policies with `priority_terms`; None without a C compiler."""
+def _native_update() -> Callable[..., int] | None:
+    """`flashlm_update` of `_lookup.c` (called with the GIL held), for the policies with `priority_terms`;
+    None without a C compiler."""
     library = load_library(Path(__file__).with_name("_lookup.c"), "lookup", hold_gil=True)
     if library is None:
         return None
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    admit, record, copy_rows = library.flashlm_admit, library.flashlm_record, library.flashlm_copy_rows
-    admit.argtypes = (
-        [pointer, integer, pointer, integer, integer, integer] + [pointer] * 3 + [integer] + [pointer] * 3
-    )
-    record.argtypes = [pointer, pointer, integer, pointer, integer, integer]
-    copy_rows.argtypes = [pointer, integer, pointer, pointer, integer, integer, pointer, integer, integer]
-    admit.restype = record.restype = copy_rows.restype = integer
-    return _NativePolicy(admit, record, copy_rows)
+    function = library.flashlm_update
+    function.argtypes = (
+        [pointer] * 7 + [integer, pointer, integer, integer, pointer, integer, integer, pointer, integer]
+    ) + [pointer] * 3
+    function.restype = integer
+    return function
+
+
+class _NativeArguments:
+    """`flashlm_update`'s arguments that change only with the cache's buffers or its policy: built once,
+    since each module attribute lookup and ctypes conversion costs a microsecond, per layer per step.
+    `serves` tells whether the buffers are still those (`.to()` replaces them)."""
+
+    def __init__(self, cache: NeuronCache, function: Callable[..., int], terms: PriorityTerms) -> None:
+        self.function = function
+        self.buffers = (cache.rows, cache.slot_ids, cache.slot_of)
+        self.policy = cache.policy
+        self.dtype = cache.rows.dtype
+        itemsize = cache.rows.element_size()
+        self.shape = (ctypes.c_int64 * 7)(
+            cache.num_units,
+            cache.capacity,
+            cache.pinned,
+            cache.size,
+            terms.window,
+            cache.rows.stride(0) * itemsize,
+            cache.width * itemsize,
+        )
+        self.info = (ctypes.c_int64 * 3)()
+        """{units that left, the new size, whether the cache holds the unit prefix}"""
+        self.pointers = (
+            cache.slot_of.data_ptr(),
+            cache.slot_ids.data_ptr(),
+            None if terms.count is None else terms.count.data_ptr(),
+            terms.last_step.data_ptr(),
+            self.shape,
+            cache.rows.data_ptr(),
+        )
+
+    def serves(self, cache: NeuronCache) -> bool:
+        buffers = cache._buffers
+        return (
+            buffers["rows"] is self.buffers[0]
+            and buffers["slot_ids"] is self.buffers[1]
+            and buffers["slot_of"] is self.buffers[2]
+            and cache._modules["policy"] is self.policy
+        )
 
 
 @dataclass
@@ -139,6 +171,7 @@ class NeuronCache(nn.Module):
         self.pinned = 0
         """Slots `0 .. pinned-1` hold the pinned units (`pin`), which never leave."""
         self._unit_prefix = True
+        self._native_arguments: _NativeArguments | None = None
         self.reset_counters()
 
     # ---- accounting -------------------------------------------------------------------------
@@ -259,16 +292,27 @@ class NeuronCache(nn.Module):
         matrix read in place). Which misses are kept, and whom they displace, follows the admission
         rule in the module docstring.
         """
+        # The policy's state is read only to rank residents against candidates, which a cache with a slot
+        # for every unit (or none to give) never does, and to expire units.
+        records = self.pinned < self.capacity < self.num_units or self.policy.EXPIRES
+        if not records and miss_ids.shape[0] == 0:
+            return
+        row_ids = None if by_unit else miss_ids if row_ids is None else row_ids
+        arguments = self._native_update_arguments()
+        native = arguments is not None and used_ids.is_cpu and miss_ids.is_cpu
+        if native and used_ids.dtype == miss_ids.dtype == INDEX_DTYPE:
+            self._update_natively(
+                arguments, used_ids if records else None, miss_ids, miss_rows, row_ids, step
+            )
+            return
         device = self.slot_of.device
         if used_ids.device != device or miss_ids.device != device:  # a no-op `.to` still costs an operator
             used_ids, miss_ids = used_ids.to(device), miss_ids.to(device)
-        native, terms = self._native_terms(used_ids, miss_ids)  # once per update, for both calls
-        self._record(used_ids, step, native, terms)
+        if records:
+            self.policy.record(used_ids, step)
         if self.size > self.pinned and self.policy.EXPIRES:
             self._delete(self.policy.expired(self.resident_ids[self.pinned :], step))
-        self._admit(
-            miss_ids, miss_rows, None if by_unit else miss_ids if row_ids is None else row_ids, native, terms
-        )
+        self._admit(miss_ids, miss_rows, row_ids)
 
     def clear(self) -> None:
         """Empty the cache, pinned units too, and forget the policy's history; counters stay."""
@@ -288,26 +332,15 @@ class NeuronCache(nn.Module):
         self._append(ids.to(self.slot_of.device), rows, None)
         self.pinned = ids.numel()
 
-    def _admit(
-        self,
-        ids: torch.Tensor,
-        rows: torch.Tensor,
-        row_ids: torch.Tensor | None,
-        native: _NativePolicy | None,
-        terms: tuple[torch.Tensor | None, torch.Tensor] | None,
-    ) -> None:
+    def _admit(self, ids: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor | None) -> None:
         """Admit the non-resident units among the sorted `ids`: free slots first, then displace weaker
-        residents. `rows[i]` is the row of unit `row_ids[i]`, or of unit `i` with `row_ids` None; in C
-        with `native` (`_native_terms`).
+        residents. `rows[i]` is the row of unit `row_ids[i]`, or of unit `i` with `row_ids` None.
 
         Cheap paths first: candidates that all fit go into the free slots in unit order (no ranking);
         a full cache whose best candidate is no better than its weakest resident changes nothing (two
         reductions). Otherwise one stable sort of residents and candidates decides who stays.
         """
         if self.capacity == self.pinned or ids.numel() == 0:
-            return
-        if native is not None:
-            self._admit_natively(native, terms, ids, rows, row_ids)
             return
         fresh = self.missing(ids.to(self.slot_of.device))
         free = self.capacity - self.size
@@ -337,78 +370,70 @@ class NeuronCache(nn.Module):
             self._unit_prefix = False
         self._append(entering[evicted.numel() :], rows, row_ids)
 
-    def _native_terms(
-        self, *ids: torch.Tensor
-    ) -> tuple[_NativePolicy, tuple[torch.Tensor | None, torch.Tensor]] | tuple[None, None]:
-        """The C policy functions and the policy's `priority_terms`, where they serve this cache and `ids`."""
-        terms = self.policy.priority_terms()
-        native = _native_policy()
-        if native is None or terms is None or not self.slot_of.is_cpu:
-            return None, None
-        if any(unit_ids.dtype != INDEX_DTYPE for unit_ids in ids):
-            return None, None
-        return native, terms
-
-    def _record(
-        self,
-        ids: torch.Tensor,
-        step: int,
-        native: _NativePolicy | None,
-        terms: tuple[torch.Tensor | None, torch.Tensor] | None,
-    ) -> None:
-        """The policy's `record`, in C with `native` (the policy has `priority_terms`: it is their record)."""
+    def _native_update_arguments(self) -> _NativeArguments | None:
+        """The C update's standing arguments for this cache (built again after `.to()`), or None where
+        it does not serve: no compiler, a cache off the CPU, a policy without `priority_terms`."""
+        native = _native_update()
         if native is None:
-            self.policy.record(ids, step)
-            return
-        ids = ids.contiguous()
-        count, last_step = terms
-        pointers = (None if count is None else count.data_ptr(), last_step.data_ptr())
-        if native.record(*pointers, self.num_units, ids.data_ptr(), ids.numel(), step):
-            raise IndexError(f"unit ids must lie in [0, {self.num_units}), got {ids.min()}..{ids.max()}.")
+            return None
+        arguments = self._native_arguments
+        if arguments is not None and arguments.serves(self):
+            return arguments
+        terms = self.policy.priority_terms()
+        serves = terms is not None and self.slot_of.is_cpu
+        self._native_arguments = _NativeArguments(self, native, terms) if serves else None
+        return self._native_arguments
 
-    def _admit_natively(
+    def _update_natively(
         self,
-        native: _NativePolicy,
-        terms: tuple[torch.Tensor | None, torch.Tensor],
-        ids: torch.Tensor,
+        arguments: _NativeArguments,
+        used_ids: torch.Tensor | None,
+        miss_ids: torch.Tensor,
         rows: torch.Tensor,
         row_ids: torch.Tensor | None,
+        step: int,
     ) -> None:
-        """`_admit` in one call to C (`flashlm_admit`: the same rule, the index updated there), then one
-        copy of the entering rows: ~25 µs where the torch operators above took ~130 (SmolLM2's DIP input
-        columns at a 50% budget), on the decode thread at every layer of every step."""
-        ids = ids.contiguous()
-        count, last_step = terms
-        placed = torch.empty(2, ids.numel(), dtype=INDEX_DTYPE)  # units entering, their slots
-        info = (ctypes.c_int64 * 3)()
-        entered = native.admit(
-            self.slot_of.data_ptr(),
-            self.num_units,
-            self.slot_ids.data_ptr(),
-            self.capacity,
-            self.pinned,
-            self.size,
-            None if count is None else count.data_ptr(),
-            last_step.data_ptr(),
-            ids.data_ptr(),
-            ids.numel(),
-            placed[0].data_ptr(),
-            placed[1].data_ptr(),
+        """`update` in one call to C (`flashlm_update`: the policy's record (of `used_ids`, unless None) and
+        expiry, the admission rule, the index, and the entering rows where they need no conversion), with
+        no torch operator: it runs on the decode thread at every layer of every step, and each operator
+        there is a chance for the I/O thread to take the GIL."""
+        miss_ids = miss_ids.contiguous()
+        if used_ids is not None:
+            used_ids = used_ids.contiguous()
+        if row_ids is not None:
+            row_ids = row_ids.to("cpu", INDEX_DTYPE).contiguous()
+        copy = rows.is_cpu and rows.dtype == arguments.dtype and rows.dim() == 2 and rows.stride(1) == 1
+        copy = copy and rows.shape[1] == self.width
+        placed = None if copy else torch.empty(2, self.capacity, dtype=INDEX_DTYPE)  # units entering, slots
+        shape, info = arguments.shape, arguments.info
+        shape[2], shape[3], info[2] = self.pinned, self.size, self._unit_prefix
+        entered = arguments.function(
+            *arguments.pointers,
+            None if used_ids is None else used_ids.data_ptr(),
+            0 if used_ids is None else used_ids.shape[0],
+            miss_ids.data_ptr(),
+            miss_ids.shape[0],
+            step,
+            rows.data_ptr() if copy else None,
+            rows.stride(0) * rows.element_size() if copy else 0,
+            rows.shape[0] if row_ids is None else row_ids.shape[0],
+            None if row_ids is None else row_ids.data_ptr(),
+            int(copy),
+            None if placed is None else placed[0].data_ptr(),
+            None if placed is None else placed[1].data_ptr(),
             info,
         )
         if entered == -1:
+            ids = miss_ids if used_ids is None else torch.cat([used_ids, miss_ids])
             raise IndexError(f"unit ids must lie in [0, {self.num_units}), got {ids.min()}..{ids.max()}.")
-        if entered < 0:
-            raise MemoryError("The cache's admission could not allocate its scratch memory.")
-        evicted, size, appended_in_order = info
-        if entered:
-            self._copy_rows(placed[1, :entered], placed[0, :entered], rows, row_ids, native)
-        if evicted:
-            self.counters.evictions += evicted
-            self._unit_prefix = False
-        elif size > self.size:
-            self._unit_prefix = self._unit_prefix and bool(appended_in_order)
-        self.size = size
+        if entered == -2:
+            raise MemoryError("The cache's update could not allocate its scratch memory.")
+        if entered == -3:
+            raise IndexError(f"A missed unit's row is not among the {rows.shape[0]} rows given.")
+        self.counters.evictions += info[0]
+        self.size, self._unit_prefix = info[1], bool(info[2])
+        if placed is not None and entered:
+            self._copy_rows(placed[1, :entered], placed[0, :entered], rows, row_ids)
 
     def _append(self, ids: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor | None) -> None:
         """Put units `ids` (ascending) into the free slots after the occupied ones."""
@@ -431,35 +456,11 @@ class NeuronCache(nn.Module):
         self.slot_of[ids] = slots
 
     def _copy_rows(
-        self,
-        slots: torch.Tensor,
-        ids: torch.Tensor,
-        rows: torch.Tensor,
-        row_ids: torch.Tensor | None,
-        native: _NativePolicy | None = None,
+        self, slots: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor | None
     ) -> None:
         """Write the rows of units `ids` into `slots` (row `i` of `rows` holds unit `row_ids[i]`, ascending,
-        or unit `i` without `row_ids`): with `native`, one pass in C where the rows need no conversion
-        and no move (no gathered copy in between), else a gather and a scatter."""
+        or unit `i` without `row_ids`): a gather and a scatter, converted to the cache's dtype and device."""
         at = ids if row_ids is None else torch.searchsorted(row_ids.to(ids.device), ids)
-        if native is not None and rows.dtype == self.rows.dtype and rows.is_cpu and rows.stride(1) == 1:
-            itemsize = rows.element_size()
-            status = native.copy_rows(
-                self.rows.data_ptr(),
-                self.rows.stride(0) * itemsize,
-                slots.contiguous().data_ptr(),
-                rows.data_ptr(),
-                rows.stride(0) * itemsize,
-                rows.shape[0],
-                at.contiguous().data_ptr(),
-                at.numel(),
-                self.width * itemsize,
-            )
-            if status:
-                raise IndexError(
-                    f"rows has {rows.shape[0]} rows; rows {int(at.min())}..{int(at.max())} asked."
-                )
-            return
         self.rows[slots] = rows[at.to(rows.device)].to(device=self.rows.device, dtype=self.rows.dtype)
 
     def _delete(self, doomed: torch.Tensor) -> None:

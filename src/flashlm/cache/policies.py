@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -54,6 +55,17 @@ def make_policy(name: str, num_units: int, **options: object) -> EvictionPolicy:
 def policy_state_bytes(name: str, num_units: int) -> int:
     """Bytes of state the policy `name` allocates for `num_units` units (what the budget must count)."""
     return POLICIES[name].state_bytes(num_units)
+
+
+@dataclass(frozen=True)
+class PriorityTerms:
+    """A policy whose whole behaviour is two state vectors and a window: `record` adds one to `count`
+    (None: no count) and sets `last_step`; `priority` is `count * 2**32 + last_step`; a unit last used
+    `window` or more steps ago expires (0: none ever does)."""
+
+    count: torch.Tensor | None
+    last_step: torch.Tensor
+    window: int = 0
 
 
 class EvictionPolicy(nn.Module):
@@ -100,10 +112,9 @@ class EvictionPolicy(nn.Module):
         """int64 worth of keeping each unit: higher stays. Comparable across residents and candidates."""
         raise NotImplementedError
 
-    def priority_terms(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
-        """`(count, last_step)` state vectors where `priority` is `count * 2**32 + last_step` (`count`
-        None: 0) and `record` adds one to `count` and sets `last_step`: the cache's C path then ranks and
-        records on them itself (`NeuronCache._record`, `_admit`). None where the policy is otherwise."""
+    def priority_terms(self) -> PriorityTerms | None:
+        """The policy as `PriorityTerms`, where it is one: the cache's C path then records, expires and
+        ranks on them itself (`NeuronCache.update`). None where the policy is otherwise."""
         return None
 
     def expired(self, ids: torch.Tensor, step: int) -> torch.Tensor:
@@ -127,8 +138,8 @@ class LRUPolicy(EvictionPolicy):
     def priority(self, ids: torch.Tensor) -> torch.Tensor:
         return self.last_step[ids]
 
-    def priority_terms(self) -> tuple[None, torch.Tensor]:
-        return None, self.last_step
+    def priority_terms(self) -> PriorityTerms:
+        return PriorityTerms(None, self.last_step)
 
 
 @register_policy("lfu")
@@ -151,8 +162,8 @@ class LFUPolicy(EvictionPolicy):
     def priority(self, ids: torch.Tensor) -> torch.Tensor:
         return self.count[ids] * 2**32 + self.last_step[ids]
 
-    def priority_terms(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.count, self.last_step
+    def priority_terms(self) -> PriorityTerms:
+        return PriorityTerms(self.count, self.last_step)
 
 
 @register_policy("window")
@@ -179,8 +190,8 @@ class WindowPolicy(EvictionPolicy):
     def priority(self, ids: torch.Tensor) -> torch.Tensor:
         return self.last_step[ids]
 
-    def priority_terms(self) -> tuple[None, torch.Tensor]:
-        return None, self.last_step
+    def priority_terms(self) -> PriorityTerms:
+        return PriorityTerms(None, self.last_step, self.window)
 
     def expired(self, ids: torch.Tensor, step: int) -> torch.Tensor:
         return self.last_step[ids] <= step - self.window
