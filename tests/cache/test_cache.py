@@ -189,8 +189,10 @@ def test_native_admission_places_every_unit_where_the_torch_one_does(
     for step, used in enumerate(random_trace(rng, num_units, 60)):
         ids = torch.tensor(used, dtype=torch.int64)
         for path, cache in caches.items():
-            with admission(path):
-                cache.update(ids, cache.find_misses(ids), staging, step, by_unit=True)
+            with admission(path):  # the C update called holding the GIL and releasing it, in turn
+                cache.update(
+                    ids, cache.find_misses(ids), staging, step, by_unit=True, release_gil=step % 2 == 1
+                )
             check_invariants(cache)
         native, reference = caches["native"], caches["torch"]
         assert torch.equal(native.slot_ids, reference.slot_ids), f"step {step}"

@@ -47,20 +47,32 @@ def _native_missing() -> Callable[..., int] | None:
     return function
 
 
+@dataclass(frozen=True)
+class _NativeUpdate:
+    """`flashlm_update` of `_lookup.c`, called with the GIL held (an update that copies little: handing
+    the GIL over and taking it back would cost more) or released (one that copies much, on the I/O thread:
+    the decode thread runs Python meanwhile)."""
+
+    holding_gil: Callable[..., int]
+    releasing_gil: Callable[..., int]
+
+
 @functools.cache
-def _native_update() -> Callable[..., int] | None:
-    """`flashlm_update` of `_lookup.c` (called with the GIL held), for the policies with `priority_terms`;
-    None without a C compiler."""
-    library = load_library(Path(__file__).with_name("_lookup.c"), "lookup", hold_gil=True)
-    if library is None:
-        return None
-    pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    function = library.flashlm_update
-    function.argtypes = (
-        [pointer] * 7 + [integer, pointer, integer, integer, pointer, integer, integer, pointer, integer]
-    ) + [pointer] * 3
-    function.restype = integer
-    return function
+def _native_update() -> _NativeUpdate | None:
+    """The C update, for the policies with `priority_terms`; None without a C compiler."""
+    functions = []
+    for hold_gil in (True, False):
+        library = load_library(Path(__file__).with_name("_lookup.c"), "lookup", hold_gil=hold_gil)
+        if library is None:
+            return None
+        pointer, integer = ctypes.c_void_p, ctypes.c_int64
+        function = library.flashlm_update
+        function.argtypes = (
+            [pointer] * 7 + [integer, pointer, integer, integer, pointer, integer, integer, pointer, integer]
+        ) + [pointer] * 3
+        function.restype = integer
+        functions.append(function)
+    return _NativeUpdate(*functions)
 
 
 class _NativeArguments:
@@ -68,8 +80,8 @@ class _NativeArguments:
     since each module attribute lookup and ctypes conversion costs a microsecond, per layer per step.
     `serves` tells whether the buffers are still those (`.to()` replaces them)."""
 
-    def __init__(self, cache: NeuronCache, function: Callable[..., int], terms: PriorityTerms) -> None:
-        self.function = function
+    def __init__(self, cache: NeuronCache, functions: _NativeUpdate, terms: PriorityTerms) -> None:
+        self.functions = functions
         self.buffers = (cache.rows, cache.slot_ids, cache.slot_of)
         self.policy = cache.policy
         self.dtype = cache.rows.dtype
@@ -283,6 +295,7 @@ class NeuronCache(nn.Module):
         *,
         row_ids: torch.Tensor | None = None,
         by_unit: bool = False,
+        release_gil: bool = False,
     ) -> None:
         """End decode step `step`: record what it used, drop expired units, admit the misses it read.
 
@@ -290,7 +303,8 @@ class NeuronCache(nn.Module):
         `miss_ids[i]`; with `row_ids` (sorted, a superset of `miss_ids`: a read of more than the
         misses), of `row_ids[i]`; with `by_unit`, `miss_rows[u]` is the row of unit `u` (a staging
         matrix read in place). Which misses are kept, and whom they displace, follows the admission
-        rule in the module docstring.
+        rule in the module docstring. `release_gil` lets other Python threads run while the C update
+        copies rows (an update queued on the I/O thread).
         """
         # The policy's state is read only to rank residents against candidates, which a cache with a slot
         # for every unit (or none to give) never does, and to expire units.
@@ -301,9 +315,8 @@ class NeuronCache(nn.Module):
         arguments = self._native_update_arguments()
         native = arguments is not None and used_ids.is_cpu and miss_ids.is_cpu
         if native and used_ids.dtype == miss_ids.dtype == INDEX_DTYPE:
-            self._update_natively(
-                arguments, used_ids if records else None, miss_ids, miss_rows, row_ids, step
-            )
+            used_ids = used_ids if records else None
+            self._update_natively(arguments, used_ids, miss_ids, miss_rows, row_ids, step, release_gil)
             return
         device = self.slot_of.device
         if used_ids.device != device or miss_ids.device != device:  # a no-op `.to` still costs an operator
@@ -392,6 +405,7 @@ class NeuronCache(nn.Module):
         rows: torch.Tensor,
         row_ids: torch.Tensor | None,
         step: int,
+        release_gil: bool,
     ) -> None:
         """`update` in one call to C (`flashlm_update`: the policy's record (of `used_ids`, unless None) and
         expiry, the admission rule, the index, and the entering rows where they need no conversion), with
@@ -407,7 +421,8 @@ class NeuronCache(nn.Module):
         placed = None if copy else torch.empty(2, self.capacity, dtype=INDEX_DTYPE)  # units entering, slots
         shape, info = arguments.shape, arguments.info
         shape[2], shape[3], info[2] = self.pinned, self.size, self._unit_prefix
-        entered = arguments.function(
+        functions = arguments.functions
+        entered = (functions.releasing_gil if release_gil else functions.holding_gil)(
             *arguments.pointers,
             None if used_ids is None else used_ids.data_ptr(),
             0 if used_ids is None else used_ids.shape[0],

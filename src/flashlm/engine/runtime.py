@@ -51,10 +51,11 @@ a median 26 MB per layer) ran 3% faster queued (`benchmarks/per_token_path.py`).
 
 @dataclass(frozen=True)
 class CacheUpdate:
-    """One cache's update at the end of a decode step (`run`), and the row bytes it may copy: its
-    misses' rows (whether the cache admits them is the update's call)."""
+    """One cache's update at the end of a decode step (`run(queued)`: `queued` when it runs on the I/O
+    thread, where it should let the decode thread run Python while it copies), and the row bytes it may
+    copy: its misses' rows (whether the cache admits them is the update's call)."""
 
-    run: Callable[[], None]
+    run: Callable[[bool], None]
     copy_bytes: int
 
 
@@ -493,7 +494,7 @@ class FlashRuntime(Runtime):
         evictions itself (a forward counts from `FlashMLP.settled_counters`, so not twice)."""
         if sum(update.copy_bytes for update in updates) < QUEUED_UPDATE_MIN_BYTES:
             for update in updates:
-                update.run()
+                update.run(False)
             return
         caches = [self.caches[(layer, kind)] for kind in kinds]
 
@@ -501,7 +502,7 @@ class FlashRuntime(Runtime):
             # The forward that queued this recorded its counters already: the evictions are recorded here.
             before = sum(cache.evictions for cache in caches)
             for update in updates:
-                update.run()
+                update.run(True)
             self.stats.record(layer, evictions=sum(cache.evictions for cache in caches) - before)
 
         done = self._io.submit(run_and_count)

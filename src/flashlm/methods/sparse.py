@@ -399,7 +399,9 @@ class SparseMLP(Selection, FlashMLP):
                 runtime.trace.record(runtime.step_start, layer, kind, ids)
             step = runtime.step_start
             return CacheUpdate(
-                lambda: cache.update(ids, miss_ids, fetched.matrix, step, by_unit=True),
+                lambda queued: cache.update(
+                    ids, miss_ids, fetched.matrix, step, by_unit=True, release_gil=queued
+                ),
                 miss_ids.numel() * cache.row_bytes,
             )
 
