@@ -658,3 +658,30 @@ def test_missing_rejects_ids_outside_the_layer() -> None:
     cache = NeuronCache(10, 4, WIDTH, torch.float32, make_policy("lru", 10))
     with pytest.raises(IndexError):
         cache.missing(torch.tensor([3, 10]))
+
+
+@pytest.mark.parametrize("path", ADMISSIONS)
+def test_update_rejects_misses_without_rows_and_ids_outside_the_layer(path: str) -> None:
+    """A miss whose row is not among those given, or a unit id outside the layer, is an IndexError; in C
+    the cache and its policy are left as they were."""
+    with admission(path):
+        cache = make_cache("lfu", 10, 4)
+        run_step(cache, [1, 2], 0)
+        before = (
+            cache.slot_ids.clone(),
+            cache.rows.clone(),
+            cache.policy.priority(torch.arange(10)),
+            cache.size,
+        )
+        ids = torch.tensor([1, 5, 6])
+        misses = torch.tensor([5, 6])
+        with pytest.raises(IndexError):  # rows for unit 5 only
+            cache.update(ids, misses, unit_rows(misses[:1], cache), 1)
+        with pytest.raises(IndexError):  # by unit: a staging matrix of 6 rows has no row for unit 6
+            cache.update(ids, misses, unit_rows(torch.arange(6), cache), 1, by_unit=True)
+        with pytest.raises(IndexError):
+            cache.update(torch.tensor([1, 10]), torch.tensor([10]), unit_rows(torch.arange(11), cache), 1)
+        if path == "native":
+            after = (cache.slot_ids, cache.rows, cache.policy.priority(torch.arange(10)), cache.size)
+            assert all(torch.equal(a, b) for a, b in zip(before[:3], after[:3], strict=True))
+            assert before[3] == after[3]

@@ -170,7 +170,8 @@ static int64_t source_row(int64_t u, const int64_t *row_ids, int64_t src_rows) {
 }
 
 /* `NeuronCache.update` for the policies with priority terms: record the step's `used` units (`count`
- * and `last_step`), expire, then admit the non-resident units among the sorted `ids` (free slots first,
+ * and `last_step`), expire, then admit the non-resident units among the sorted `ids`, the step's misses
+ * (a subset of `used`, or `used` empty and nothing expiring: none of them expires here) (free slots first,
  * then a candidate displaces a resident only while strictly better; one stable ranking of residents and
  * candidates). `src` holds the read rows (`source_row`); with `copy` the entering rows are copied from
  * it into the cache's rows (same element type), else the caller copies unit `entering[i]` into slot

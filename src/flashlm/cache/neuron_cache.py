@@ -431,7 +431,7 @@ class NeuronCache(nn.Module):
             step,
             rows.data_ptr() if copy else None,
             rows.stride(0) * rows.element_size() if copy else 0,
-            rows.shape[0] if row_ids is None else row_ids.shape[0],
+            rows.shape[0] if row_ids is None else min(row_ids.shape[0], rows.shape[0]),
             None if row_ids is None else row_ids.data_ptr(),
             int(copy),
             None if placed is None else placed[0].data_ptr(),
