@@ -685,3 +685,17 @@ def test_update_rejects_misses_without_rows_and_ids_outside_the_layer(path: str)
             after = (cache.slot_ids, cache.rows, cache.policy.priority(torch.arange(10)), cache.size)
             assert all(torch.equal(a, b) for a, b in zip(before[:3], after[:3], strict=True))
             assert before[3] == after[3]
+
+
+def test_native_update_follows_buffers_that_to_replaces() -> None:
+    """The C update's standing arguments (buffer pointers) are rebuilt when `.to()` or an assignment
+    replaces the cache's or its policy's buffers: the update then writes the new ones."""
+    with admission("native"):
+        cache = make_cache("lfu", 10, 4)
+        run_step(cache, [1, 2], 0)
+        cache.to(torch.float64)  # new rows
+        run_step(cache, [1, 2, 3, 4, 5], 1)  # 5 displaces nobody: a full cache of equals
+        assert cache.rows.dtype == torch.float64
+        cache.policy.last_step = cache.policy.last_step.clone()
+        run_step(cache, [3, 6], 2)
+        assert cache.policy.last_step[6].item() == 2 and cache.policy.count[6].item() == 1

@@ -78,12 +78,13 @@ def _native_update() -> _NativeUpdate | None:
 class _NativeArguments:
     """`flashlm_update`'s arguments that change only with the cache's buffers or its policy: built once,
     since each module attribute lookup and ctypes conversion costs a microsecond, per layer per step.
-    `serves` tells whether the buffers are still those (`.to()` replaces them)."""
+    `serves` tells whether the cache's and its policy's buffers are still those (`.to()` replaces them)."""
 
     def __init__(self, cache: NeuronCache, functions: _NativeUpdate, terms: PriorityTerms) -> None:
         self.functions = functions
         self.buffers = (cache.rows, cache.slot_ids, cache.slot_of)
         self.policy = cache.policy
+        self.policy_buffers = tuple(cache.policy._buffers.values())
         self.dtype = cache.rows.dtype
         itemsize = cache.rows.element_size()
         self.shape = (ctypes.c_int64 * 7)(
@@ -107,12 +108,15 @@ class _NativeArguments:
         )
 
     def serves(self, cache: NeuronCache) -> bool:
-        buffers = cache._buffers
+        buffers, policy = cache._buffers, cache._modules["policy"]
+        policy_buffers = policy._buffers.values()
         return (
             buffers["rows"] is self.buffers[0]
             and buffers["slot_ids"] is self.buffers[1]
             and buffers["slot_of"] is self.buffers[2]
-            and cache._modules["policy"] is self.policy
+            and policy is self.policy
+            and len(policy_buffers) == len(self.policy_buffers)
+            and all(now is then for now, then in zip(policy_buffers, self.policy_buffers, strict=True))
         )
 
 
