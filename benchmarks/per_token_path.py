@@ -279,13 +279,14 @@ def table(results: list[dict[str, Any]]) -> str:
     dense = next((r for r in results if r["config"] == "dense@50%" and "error" not in r), None)
     lines = [
         "| configuration | decode tok/s | x ram | prefill s | x dense prefill | MB read/token | hit rate "
-        "| select / cache / I/O wait / compute ms | MLP ms (hooks) | compute / ram MLP | cache / compute "
-        "| MLP ops per layer per token | MLP KB allocated per layer per token | tokens = ram |",
-        "|" + "---|" * 14,
+        "| select / cache / I/O wait / compute ms | cache: lookup / submit / update ms | MLP ms (hooks) "
+        "| compute / ram MLP | cache / compute | MLP ops per layer per token "
+        "| MLP KB allocated per layer per token | tokens = ram |",
+        "|" + "---|" * 15,
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['config']} | failed: {r['error'].strip().splitlines()[-1]} |" + " |" * 12)
+            lines.append(f"| {r['config']} | failed: {r['error'].strip().splitlines()[-1]} |" + " |" * 13)
             continue
         ms = r.get("ms")
         split = (
@@ -294,12 +295,14 @@ def table(results: list[dict[str, Any]]) -> str:
             if ms
             else "—"
         )
+        cache = " / ".join(number(ms[part], ".1f") for part in ("lookup", "submit", "update")) if ms else "—"
         exact = ("yes" if r["tokens"] == ram["tokens"] else "NO") if ram and r["config"] in EXACT else "—"
         lines.append(
             f"| {r['config']} | {r['decode_tok_s']:.2f} "
             f"| {number(ram and r['decode_tok_s'] / ram['decode_tok_s'], '.2f')} "
             f"| {r['prefill_s']:.2f} | {number(dense and r['prefill_s'] / dense['prefill_s'], '.2f')} "
             f"| {number(r.get('read_mb_per_token'), '.1f')} | {number(r.get('hit_rate'), '.1%')} | {split} "
+            f"| {cache} "
             f"| {r['mlp_ms_per_token']:.1f} "
             f"| {number(ms and ram and ms['compute'] / ram['mlp_ms_per_token'], '.2f')} "
             f"| {number(ms and ms['cache'] / ms['compute'], '.1%')} | {r['ops_per_layer_token']:.1f} "
