@@ -603,8 +603,8 @@ class FlashRuntime(Runtime):
         """The read of a layer's misses `miss_ids` whose guess was `guess`: what the guess did not read
         lands beside it in the same staging buffer. The fetch covers the guessed and the further ids
         (the guessed ones the layer did not select get zero coefficients) and counts both reads. With no
-        miss, the guess's own read is that fetch: no task for the I/O thread, whose Python would contend
-        for the GIL with the decode thread's."""
+        miss, the guess's own read is that fetch, with no task for the I/O thread (as `submit` returns a
+        finished read when there is nothing to read)."""
         if miss_ids.shape[0] == 0:
             return guess.pending
         miss_ids = miss_ids.cpu()
