@@ -19,7 +19,6 @@ import flashlm
 import flashlm.engine.runtime as runtime_module
 import flashlm.methods.sparse as sparse_module
 from flashlm.cache import NeuronCache
-from flashlm.engine.runtime import FlashRuntime
 from flashlm.errors import BudgetTooSmallError, ConfigError
 from flashlm.methods import CATSMLP, DIPMLP, SparseMLP, StreamingMLP, reads_ahead
 from flashlm.methods.calibration import Calibration
@@ -32,6 +31,8 @@ from flashlm.methods.masking import (
     union_ids,
 )
 from flashlm.methods.mlp import module_class
+from flashlm.ops import select
+from flashlm.ops.select import TopUnits
 from flashlm.patching import streaming_mlps
 from flashlm.store import add_kinds
 from flashlm.store.format import dense_kinds
@@ -187,16 +188,11 @@ def load(path, store, cached: float = 0.5, **options) -> torch.nn.Module:
     probe = flashlm.FlashConfig(memory_budget=1, **options)
     cls = module_class(probe)
     opened = flashlm.Store.open(store)
-    if cls is StreamingMLP:
-        kinds, read_ahead = None, None
-    else:
-        kinds = cls.KINDS
+    kinds = dense_kinds(opened.gated) if cls is StreamingMLP else cls.KINDS
+    if cls is not StreamingMLP:
         opened = add_kinds(opened, kinds, progress=False)
-        calibration = Calibration.load(opened.path, opened.content_sha256)
-        read_ahead = (cls.INPUT_KIND,) if reads_ahead(probe, opened, calibration) else ()
-    with pytest.raises(BudgetTooSmallError) as info:
-        FlashRuntime(opened, probe, kinds, read_ahead)
-    kinds = kinds or dense_kinds(opened.gated)
+    with pytest.raises(BudgetTooSmallError) as info:  # the runtime as the method builds it
+        cls.make_runtime(opened, probe, cls.load_fitted(opened, device=torch.device("cpu")))
     units = sum(opened.row_file(0, k).rows * (opened.row_file(0, k).row_bytes + 8) for k in kinds)
     budget = info.value.minimum_bytes + int(cached * units * opened.num_layers)
     config = flashlm.FlashConfig(store=str(store), memory_budget=budget, **options)
@@ -516,10 +512,62 @@ def test_cache_updates_run_at_once_or_on_the_io_thread_alike(options, tiny_llama
         assert torch.equal(resident, resident_now) and counts == counts_now
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"method": "dip", "density": 0.6},
+        {"method": "dip", "density": 0.6, "cache_aware": 0.2},
+        {"method": "glu", "density": 0.5},
+        {"method": "up", "density": 0.6},
+    ],
+    ids=["dip", "dip-ca", "glu", "up"],
+)
+@pytest.mark.exactness
+def test_fused_selection_and_lookup_change_nothing(options, tiny_llama, monkeypatch) -> None:
+    """A decode token's top-k selection run fused with its cache lookup (`TopUnits`) computes, reads, keeps
+    and counts what the selection and the lookup run apart do."""
+    path, _, store = tiny_llama
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(21))
+    calls = {"fused": 0}
+    fused_call = TopUnits.__call__
+
+    def counting(top_units, *args, **kwargs):
+        calls["fused"] += 1
+        return fused_call(top_units, *args, **kwargs)
+
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(TopUnits, "__call__", counting if fused else lambda *args, **kwargs: None)
+        model = load(path, store, cached=0.35, **options)
+        tokens = model.generate(
+            ids,
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        modules = streaming_mlps(model)
+        modules[0].runtime.drain()
+        totals = flashlm.stats(model).totals()
+        caches = [cache for module in modules for cache in module.caches()]
+        runs.append(
+            (tokens, totals, [(cache.slot_ids.clone(), cache.hits, cache.misses) for cache in caches])
+        )
+    (fused_out, fused_totals, fused_caches), (apart_out, apart_totals, apart_caches) = runs
+    if select._functions() is not None:
+        assert calls["fused"] > 0
+    assert torch.equal(fused_out.sequences, apart_out.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(fused_out.logits, apart_out.logits, strict=True))
+    for name in ("hits", "misses", "evictions", "bytes_read", "used_bytes"):
+        assert fused_totals[name] == apart_totals[name]
+    for (slots, *counts), (slots_apart, *counts_apart) in zip(fused_caches, apart_caches, strict=True):
+        assert torch.equal(slots, slots_apart) and counts == counts_apart
+
+
 def test_reads_ahead_where_the_reader_would_read_the_gaps_anyway() -> None:
     from types import SimpleNamespace
 
-    from flashlm.methods import reads_ahead
     from flashlm.store.reader import DEFAULT_MERGE_GAP_BYTES
 
     def store(row_bytes: int):

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from flashlm.methods.masking import cache_aware_scores, magnitude_topk, topk_mask
+from flashlm.methods.masking import cache_aware_scores, magnitude_topk, topk_mask, union_ids
 from flashlm.ops import columns, select
 from flashlm.ops.columns import ColumnProduct, RowProduct, native, native_dots, slot_dtype
 
@@ -185,6 +185,42 @@ def test_topk_mask_is_the_tie_stable_top_k(dtype, tokens, n, k, gamma) -> None:
     mask = select.topk_mask(x, k, resident, gamma)
     assert torch.equal(mask, reference_topk(x, k, resident, gamma))
     assert bool((mask.sum(-1) == k).all())
+
+
+@needs_select
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), [(1536, 922), (300, 1), (64, 64), (40, 0)])
+@pytest.mark.parametrize("gamma", [1.0, 0.2, 0.0])
+@pytest.mark.exactness
+def test_top_units_is_the_selection_its_ids_lookup_and_coefficients(dtype, n, k, gamma) -> None:
+    """One call gives what `topk_mask`, `union_ids`, a cache lookup and `(x * mask).float()` give, step
+    after step in the same buffers."""
+    top_units = select.TopUnits(n)
+    g = torch.Generator().manual_seed(n + k)
+    for _ in range(3):
+        x = torch.randn(1, n, generator=g).to(dtype)
+        x[:, : n // 4] = x[:, n // 4 : 2 * (n // 4)]  # plenty of exact ties
+        slot_of = torch.where(torch.rand(n, generator=g) < 0.5, torch.arange(n), -1)
+        resident = slot_of >= 0
+        mask, coef, ids, miss_ids = top_units(x, k, slot_of, gamma)
+        expected = reference_topk(x, k, None if gamma == 1 else resident, gamma)
+        assert torch.equal(mask, expected)
+        assert torch.equal(ids, union_ids(expected))
+        assert torch.equal(miss_ids, ids[~resident[ids]])
+        assert torch.equal(coef, (x * expected).float())
+
+
+@needs_select
+def test_top_units_declines_what_it_cannot_serve_and_rejects_bad_arguments() -> None:
+    top_units = select.TopUnits(8)
+    slot_of = torch.full((8,), -1)
+    assert top_units(torch.randn(2, 8), 3, slot_of) is None  # two tokens: the general path
+    assert top_units(torch.randn(1, 16)[:, ::2], 3, slot_of) is None  # strided
+    assert top_units(torch.randn(1, 8).to(torch.int32), 3, slot_of) is None
+    with pytest.raises(ValueError, match="k must be"):
+        top_units(torch.randn(1, 8), 9, slot_of)
+    with pytest.raises(ValueError, match="slot_of"):
+        top_units(torch.randn(1, 8), 3, slot_of[:4])
 
 
 @needs_select

@@ -25,6 +25,7 @@ from ..cache import BudgetPlan, NeuronCache, make_policy, split_budget
 from ..cache.placement import Placement, place_hot_neurons
 from ..cache.policies import NO_CACHE
 from ..cache.profile import UnitProfile
+from ..ops.select import TopUnits
 from ..store import RowFile, Store, StoreReader
 from ..store.disk import DiskProfile, disk_profile
 from ..store.format import dense_kinds
@@ -247,8 +248,9 @@ class FlashRuntime(Runtime):
     The budget covers everything flashlm allocates for streaming: the staging buffers (two per kind,
     one layer's units each, so the next layer's reads land while this layer computes: dense streaming
     reads every kind ahead, a sparse method its first stage, and both stages in a multi-token
-    forward) and every cache's slots and indices. Reads land in place in the staging matrices, so the
-    reader needs no I/O buffer of its own.
+    forward), every cache's slots and indices, and the buffers of each `selection_kinds` stage's fused
+    selection and lookup (`TopUnits`, a few bytes per unit). Reads land in place in the staging
+    matrices, so the reader needs no I/O buffer of its own.
 
     Reads run on one background thread (which fans out over the reader's pool), one at a time, so
     counters measured around a read belong to it alone. For the `read_ahead` kinds (dense
@@ -267,6 +269,7 @@ class FlashRuntime(Runtime):
         fitted_files: tuple[str, ...] = (),
         fitted_bytes: int = 0,
         cache_split: str = "read-cost",
+        selection_kinds: tuple[str, ...] = (),
     ) -> None:
         dense = kinds is None
         kinds = dense_kinds(store.gated) if dense else kinds
@@ -294,6 +297,11 @@ class FlashRuntime(Runtime):
             ]
             for kind in kinds
         }
+        self.top_units = {
+            key: TopUnits(row_files[key].rows) for key in row_files if key[1] in selection_kinds
+        }
+        """Each (layer, kind) stage's buffers for a decode token's selection fused with its lookup (the
+        `selection_kinds`' stages of a method whose selection may be a top-k: `SparseMLP._stage`)."""
         self.budget_bytes = config.budget.resolve(self.num_layers * self.layer_mlp_bytes)
         self.fitted_bytes = fitted_bytes
         self._cache_keys = list(row_files)
@@ -307,7 +315,7 @@ class FlashRuntime(Runtime):
             self.budget_bytes,
             unit_bytes=unit_bytes,
             num_units=[row_files[key].rows for key in self._cache_keys],
-            overhead_bytes=self._staging_bytes() + fitted_bytes,
+            overhead_bytes=self._staging_bytes() + self._selection_bytes() + fitted_bytes,
             policy=self._policy_name,
             cache_units=config.policy != NO_CACHE,
             read_cost=(
@@ -638,17 +646,21 @@ class FlashRuntime(Runtime):
         return {"hot_set": self.hot_set_summary}
 
     def resident_bytes(self) -> int:
-        """Bytes really allocated: caches (slots, indices, policy), staging matrices, fitted weights."""
+        """Bytes really allocated: caches (slots, indices, policy), staging matrices, selection buffers,
+        fitted weights."""
         cache_bytes = sum(
             cache.nbytes + sum(b.numel() * b.element_size() for b in cache.policy.buffers())
             for cache in self.caches.values()
         )
-        return cache_bytes + self._staging_bytes() + self.fitted_bytes
+        return cache_bytes + self._staging_bytes() + self._selection_bytes() + self.fitted_bytes
 
     def _staging_bytes(self) -> int:
         """The staging buffers' bytes: each one's whole allocation (its storage), with the spare block
         `row_matrix` adds and, pinned, the rest of the allocator's block."""
         return sum(b.untyped_storage().nbytes() for bufs in self.staging.values() for b in bufs)
+
+    def _selection_bytes(self) -> int:
+        return sum(top_units.nbytes for top_units in self.top_units.values())
 
     def reset_stats(self) -> None:
         super().reset_stats()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,21 +26,44 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class TopK:
+    """A selection that keeps each token's `k` units of largest `|v|`, weighted by DIP-CA's eq. 10 with
+    `gamma < 1` where a residency is given (`magnitude_topk`)."""
+
+    k: int
+    gamma: float = 1.0
+
+    def mask(self, values: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor:
+        return magnitude_topk(values, self.k, resident, self.gamma)
+
+
 class Selection:
     """Two-stage selection (the DIP paper's methods): stage 1 keeps every unit, stage 2 the `k_out`
     largest `|a|` of the stage-1 activation `a`. `resident` is a stage's cache residency, for
-    cache-aware selection (None where there is no cache: every unit counts as uncached alike)."""
+    cache-aware selection (None where there is no cache: every unit counts as uncached alike).
+
+    Where a stage's rule is a magnitude top-k, `input_topk` / `output_topk` give it (the streaming
+    module then runs it fused with its cache lookup: `flashlm.ops.select.TopUnits`); None otherwise.
+    """
 
     k_out: int
     gamma: float = 1.0
 
+    def input_topk(self) -> TopK | None:
+        return None
+
+    def output_topk(self) -> TopK | None:
+        return TopK(self.k_out)
+
     def select_input(self, x: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor | None:
         """`[T, units]` mask of the stage-1 units each of the tokens `x` needs, or None for all of them."""
-        return None
+        topk = self.input_topk()
+        return None if topk is None else topk.mask(x, resident)
 
     def select_output(self, a: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor:
         """`[T, d_ff]` mask of the stage-2 units each token keeps, from its stage-1 activation `a`."""
-        return magnitude_topk(a, self.k_out)
+        return self.output_topk().mask(a, resident)
 
 
 class DIPSelection(Selection):
@@ -49,29 +73,38 @@ class DIPSelection(Selection):
     k_in: int
     input_threshold: float | None = None
 
+    def input_topk(self) -> TopK | None:
+        return None if self.input_threshold is not None else TopK(self.k_in, self.gamma)
+
+    def output_topk(self) -> TopK | None:
+        return TopK(self.k_out, self.gamma)
+
     def select_input(self, x: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor | None:
         if self.input_threshold is not None:
             return threshold_mask(x, self.input_threshold)
-        return magnitude_topk(x, self.k_in, resident, self.gamma)
-
-    def select_output(self, a: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor:
-        return magnitude_topk(a, self.k_out, resident, self.gamma)
+        return super().select_input(x, resident)
 
 
 class GLUSelection(DIPSelection):
     """GLU pruning, the oracle (eq. 4): every input, then the top-k of the full GLU."""
 
+    def input_topk(self) -> None:
+        return None
+
     def select_input(self, x: torch.Tensor, resident: torch.Tensor | None) -> None:
         return None
 
-    def select_output(self, a: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor:
-        return magnitude_topk(a, self.k_out)
+    def output_topk(self) -> TopK:
+        return TopK(self.k_out)
 
 
 class CATSSelection(Selection):
     """CATS: the units whose `|act(gate x)|` exceeds the layer's calibrated `threshold`."""
 
     threshold: float
+
+    def output_topk(self) -> None:
+        return None
 
     def select_output(self, a: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor:
         return threshold_mask(a, self.threshold)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from time import perf_counter
 from typing import TYPE_CHECKING, ClassVar
 
@@ -55,7 +56,15 @@ from .base import method_class, register_method
 from .calibration import CALIBRATION_FILE, Calibration
 from .masking import kept_pairs, union_ids
 from .mlp import FlashMLP, require_gate
-from .selection import CATSSelection, DIPSelection, GLUSelection, Selection, dip_split, selection_options
+from .selection import (
+    CATSSelection,
+    DIPSelection,
+    GLUSelection,
+    Selection,
+    TopK,
+    dip_split,
+    selection_options,
+)
 
 if TYPE_CHECKING:
     from ..config import FlashConfig
@@ -130,6 +139,21 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+@dataclass(frozen=True)
+class Selected:
+    """What a stage selected: its `[T, units]` mask (None: every unit), and where the selection ran fused
+    with its lookup (`TopUnits`, one decode token) the values it ranked, masked, in fp32."""
+
+    mask: torch.Tensor | None
+    coef: torch.Tensor | None = None
+
+    def coefficients(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` where the mask keeps them and 0 elsewhere, in fp32 (`values` are what was ranked)."""
+        if self.coef is not None:
+            return self.coef
+        return (values if self.mask is None else values * self.mask).float()
+
+
 class SparseMLP(Selection, FlashMLP):
     """A two-stage sparse MLP (see the module docstring). Subclasses define the four hooks.
 
@@ -167,6 +191,7 @@ class SparseMLP(Selection, FlashMLP):
             cls.slot_dtypes(store),
             cls.FITTED_FILES,
             cache_split=cls.CACHE_SPLIT,
+            selection_kinds=cls.KINDS,
         )
 
     @classmethod
@@ -263,12 +288,12 @@ class SparseMLP(Selection, FlashMLP):
 
     # ---- the four hooks: select_input and select_output (`Selection`), compute_input, compute_output --
 
-    def compute_input(self, x: torch.Tensor, mask: torch.Tensor | None, parts: Parts) -> torch.Tensor:
+    def compute_input(self, x: torch.Tensor, selected: Selected, parts: Parts) -> torch.Tensor:
         """Stage 1: the `[T, d_ff]` activation the second selection ranks."""
         raise NotImplementedError
 
     def compute_output(
-        self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts
+        self, x: torch.Tensor, a: torch.Tensor, selected: Selected, parts: Parts
     ) -> torch.Tensor:
         """Stage 2: the MLP's `[T, d_model]` output."""
         raise NotImplementedError
@@ -293,16 +318,30 @@ class SparseMLP(Selection, FlashMLP):
             early = runtime.read_layer(self.layer, self.KINDS, ahead=ahead)
             times.submit_s += perf_counter() - started
 
-        in_mask, in_parts, finish_in = self._stage(
-            self.INPUT_KIND, self.input_cache, self.select_input, x, times, sequential, early
+        in_selected, in_parts, finish_in = self._stage(
+            self.INPUT_KIND,
+            self.input_cache,
+            self.select_input,
+            self.input_topk(),
+            x,
+            times,
+            sequential,
+            early,
         )
-        a = self._timed(times, lambda: self.compute_input(x, in_mask, in_parts))
+        a = self._timed(times, lambda: self.compute_input(x, in_selected, in_parts))
         update_in = finish_in()
 
-        out_mask, out_parts, finish_out = self._stage(
-            self.OUTPUT_KIND, self.output_cache, self.select_output, a, times, sequential, early
+        out_selected, out_parts, finish_out = self._stage(
+            self.OUTPUT_KIND,
+            self.output_cache,
+            self.select_output,
+            self.output_topk(),
+            a,
+            times,
+            sequential,
+            early,
         )
-        out = self._timed(times, lambda: self.compute_output(x, a, out_mask, out_parts))
+        out = self._timed(times, lambda: self.compute_output(x, a, out_selected, out_parts))
         update_out = finish_out()
         if update_in is not None:
             updating = perf_counter()
@@ -345,15 +384,17 @@ class SparseMLP(Selection, FlashMLP):
         kind,
         cache: NeuronCache,
         select,
+        topk: TopK | None,
         values: torch.Tensor,
         times: StageTimes,
         sequential: bool,
         early: Future[LayerFetch] | None = None,
     ):
         """Select (`select(values, residency)`), look up and read one stage's units (`early`: a read of
-        every uncached unit of the layer's kinds, already submitted).
+        every uncached unit of the layer's kinds, already submitted). A decode step's top-k selection
+        (`topk`, the rule `select` applies) runs fused with its lookup, in one call (`TopUnits`).
 
-        Returns (mask, parts, finish); `finish()`, once the stage's rows are computed, returns the
+        Returns (selected, parts, finish); `finish()`, once the stage's rows are computed, returns the
         cache's update (None where the stage updated the cache itself), for the runtime to run before
         any later read reuses the staging buffer (`FlashRuntime.update_caches`).
         """
@@ -363,15 +404,25 @@ class SparseMLP(Selection, FlashMLP):
             return self._sequential_stage(kind, cache, select, values, times)
         started = perf_counter()
         guess = runtime.take_guess(layer, kind) if kind == self.INPUT_KIND and self.guesses_ahead else None
-        resident = self._residency(cache)
-        if guess is not None and resident is not None:
-            # guessed units are read already, too
-            resident = resident.index_fill(0, guess.ids.to(resident.device), True)
-        mask = select(values, resident)
-        ids = runtime.unit_ids[: cache.num_units] if mask is None else union_ids(mask)
-        selected = perf_counter()
-        miss_ids = cache.find_misses(ids)
-        looked_up = perf_counter()
+        fused = None
+        if topk is not None and guess is None and values.shape[0] == 1:
+            gamma = topk.gamma if self._depends_on_cache() else 1.0
+            fused = runtime.top_units[(layer, kind)](values, topk.k, cache.slot_of, gamma)
+        if fused is not None:
+            mask, coef, ids, miss_ids = fused
+            cache.count(ids.shape[0] - miss_ids.shape[0], miss_ids.shape[0])
+            selected = looked_up = perf_counter()  # one call: the lookup is timed with the selection
+        else:
+            coef = None
+            resident = self._residency(cache)
+            if guess is not None and resident is not None:
+                # guessed units are read already, too
+                resident = resident.index_fill(0, guess.ids.to(resident.device), True)
+            mask = select(values, resident)
+            ids = runtime.unit_ids[: cache.num_units] if mask is None else union_ids(mask)
+            selected = perf_counter()
+            miss_ids = cache.find_misses(ids)
+            looked_up = perf_counter()
         if early is not None:
             pending: Future[LayerFetch] | Future[Fetch] = early  # every uncached unit, read ahead
         elif kind in runtime.read_ahead:
@@ -405,7 +456,7 @@ class SparseMLP(Selection, FlashMLP):
                 miss_ids.numel() * cache.row_bytes,
             )
 
-        return mask, parts, finish
+        return Selected(mask, coef), parts, finish
 
     def _guess_next_layer(self, x: torch.Tensor, buffer: int) -> None:
         """Start reading the input units the next layer would select for this layer's input `x`, into the
@@ -452,7 +503,7 @@ class SparseMLP(Selection, FlashMLP):
         if depends:
             mask = torch.stack(token_masks)
         self._count_used(times, kind, cache, values.shape[0], mask)
-        return mask, [(fetched.matrix, all_ids, None)], lambda: None  # updated token by token above
+        return Selected(mask), [(fetched.matrix, all_ids, None)], lambda: None  # updated token by token above
 
     def _count_used(
         self,
@@ -479,10 +530,10 @@ class SparseMLP(Selection, FlashMLP):
 
     def _columns(self, coef: torch.Tensor, parts: Parts) -> torch.Tensor:
         """`coef @ W` where unit i is row i of W: an input column of the projection, summed over the kept
-        units in fp32 (zero coefficients cost nothing; `coef` is indexed by unit id, never gathered)."""
+        units in fp32 (`coef`, fp32, is indexed by unit id, never gathered; zero coefficients cost
+        nothing)."""
         width = self._row_width(parts)
         product = self._product(width)
-        coef = coef.float()
         out = coef.new_zeros(coef.shape[0], width)
         in_unit_order = isinstance(parts, _Parts) and parts.whole is not None  # one part: every unit
         for rows, ids, index in parts:
@@ -552,15 +603,15 @@ class DIPMLP(DIPSelection, SparseMLP):
         threshold = "" if self.input_threshold is None else f", input_threshold={self.input_threshold:.4g}"
         return f"{super().extra_repr()}, k_in={self.k_in}{threshold}"
 
-    def compute_input(self, x: torch.Tensor, mask: torch.Tensor | None, parts: Parts) -> torch.Tensor:
+    def compute_input(self, x: torch.Tensor, selected: Selected, parts: Parts) -> torch.Tensor:
         # dip_in row i: up[:, i] | gate[:, i]; rounded to the model's dtype as its projections are
-        up_gate = self._columns(x if mask is None else x * mask, parts).to(x.dtype)
+        up_gate = self._columns(selected.coefficients(x), parts).to(x.dtype)
         return up_gate[:, : self.d_ff] * self.act(up_gate[:, self.d_ff :])
 
     def compute_output(
-        self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts
+        self, x: torch.Tensor, a: torch.Tensor, selected: Selected, parts: Parts
     ) -> torch.Tensor:
-        return self._columns(a * mask, parts).to(x.dtype)
+        return self._columns(selected.coefficients(a), parts).to(x.dtype)
 
 
 @register_method("glu")
@@ -596,13 +647,13 @@ class UpPruningMLP(WholeFirstStage, SparseMLP):
     INPUT_KIND = "up"
     OUTPUT_KIND = "gate_down"
 
-    def compute_input(self, x: torch.Tensor, mask: torch.Tensor | None, parts: Parts) -> torch.Tensor:
+    def compute_input(self, x: torch.Tensor, selected: Selected, parts: Parts) -> torch.Tensor:
         return self._rows(x, parts, self.d_ff)
 
     def compute_output(
-        self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts
+        self, x: torch.Tensor, a: torch.Tensor, selected: Selected, parts: Parts
     ) -> torch.Tensor:
-        return self._bundled(x, a, mask, parts, self.act)  # gate_down row j: gate[j, :] | down[:, j]
+        return self._bundled(x, a, selected.mask, parts, self.act)  # gate_down row j: gate[j, :] | down[:, j]
 
 
 @register_method("gate")
@@ -612,13 +663,13 @@ class GatePruningMLP(WholeFirstStage, SparseMLP):
     INPUT_KIND = "gate"
     OUTPUT_KIND = "up_down"
 
-    def compute_input(self, x: torch.Tensor, mask: torch.Tensor | None, parts: Parts) -> torch.Tensor:
+    def compute_input(self, x: torch.Tensor, selected: Selected, parts: Parts) -> torch.Tensor:
         return self.act(self._rows(x, parts, self.d_ff))
 
     def compute_output(
-        self, x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, parts: Parts
+        self, x: torch.Tensor, a: torch.Tensor, selected: Selected, parts: Parts
     ) -> torch.Tensor:
-        return self._bundled(x, a, mask, parts, _identity)  # up_down row j: up[j, :] | down[:, j]
+        return self._bundled(x, a, selected.mask, parts, _identity)  # up_down row j: up[j, :] | down[:, j]
 
 
 @register_method("cats")

@@ -45,6 +45,25 @@ static uint32_t kth_largest(const uint32_t *keys, int64_t n, int64_t k) {
     return prefix;
 }
 
+/* Mark the k largest of keys[0..n) in out (ties: lowest index first), exactly k of them (k <= n). */
+static void mark_largest(const uint32_t *keys, int64_t n, int64_t k, uint8_t *out) {
+    if (k <= 0) {
+        memset(out, 0, n);
+        return;
+    }
+    const uint32_t threshold = kth_largest(keys, n, k);
+    int64_t kept = 0;
+    for (int64_t j = 0; j < n; j++) {
+        out[j] = keys[j] > threshold;
+        kept += out[j];
+    }
+    for (int64_t j = 0; j < n && kept < k; j++)
+        if (keys[j] == threshold) {
+            out[j] = 1;
+            kept++;
+        }
+}
+
 #define DEFINE_TOPK(NAME, ELEM, CONVERT)                                                              \
     void NAME(const ELEM *x, int64_t ldx, int64_t T, int64_t n, const uint8_t *resident, float gamma,   \
               int64_t k, uint8_t *mask, int64_t ldm) {                                               \
@@ -52,26 +71,11 @@ static uint32_t kth_largest(const uint32_t *keys, int64_t n, int64_t k) {
             uint32_t *keys = malloc(sizeof(uint32_t) * (n > 0 ? n : 1));                             \
             _Pragma("omp for schedule(static)") for (int64_t t = 0; t < T; t++) {                     \
                 const ELEM *row = x + t * ldx;                                                       \
-                uint8_t *out = mask + t * ldm;                                                       \
                 for (int64_t j = 0; j < n; j++) {                                                    \
                     const float magnitude = fabsf(CONVERT(row[j]));                                  \
                     keys[j] = bits_of(resident ? magnitude * (resident[j] ? 1.0f : gamma) : magnitude); \
                 }                                                                                    \
-                if (k <= 0) {                                                                        \
-                    memset(out, 0, n);                                                               \
-                    continue;                                                                        \
-                }                                                                                    \
-                const uint32_t threshold = kth_largest(keys, n, k);                                  \
-                int64_t kept = 0;                                                                    \
-                for (int64_t j = 0; j < n; j++) {                                                    \
-                    out[j] = keys[j] > threshold;                                                    \
-                    kept += out[j];                                                                  \
-                }                                                                                    \
-                for (int64_t j = 0; j < n && kept < k; j++)                                          \
-                    if (keys[j] == threshold) {                                                      \
-                        out[j] = 1;                                                                  \
-                        kept++;                                                                      \
-                    }                                                                                \
+                mark_largest(keys, n, k, mask + t * ldm);                                            \
             }                                                                                        \
             free(keys);                                                                              \
         }                                                                                            \
@@ -80,3 +84,37 @@ static uint32_t kth_largest(const uint32_t *keys, int64_t n, int64_t k) {
 DEFINE_TOPK(flashlm_topk_bf16, uint16_t, bf16_to_float)
 DEFINE_TOPK(flashlm_topk_f16, _Float16, f16_to_float)
 DEFINE_TOPK(flashlm_topk_f32, float, f32_to_float)
+
+/* One token's stage of a decode step in one pass over its units: the selection above (residency read
+ * from a cache's slot_of: unit j is resident where slot_of[j] >= 0; gamma 1 weighs none), then what the
+ * stage needs of it, so that the caller runs no tensor operator between selecting and reading:
+ *
+ *   mask[j]  the selection;                     coef[j]  x[j] where kept, else 0 (fp32);
+ *   ids      the kept units, ascending;         misses   those of them not resident, ascending.
+ *
+ * Returns the number kept and sets *missed (or -1, having written nothing, if keys cannot be allocated). */
+#define DEFINE_TOP_UNITS(NAME, ELEM, CONVERT)                                                         \
+    int64_t NAME(const ELEM *x, int64_t n, const int64_t *slot_of, float gamma, int64_t k, uint8_t *mask, \
+                 float *coef, int64_t *ids, int64_t *misses, int64_t *missed) {                       \
+        uint32_t *keys = malloc(sizeof(uint32_t) * (n > 0 ? n : 1));                                 \
+        if (!keys) return -1;                                                                        \
+        for (int64_t j = 0; j < n; j++) {                                                            \
+            const float magnitude = fabsf(CONVERT(x[j]));                                            \
+            keys[j] = bits_of(slot_of[j] >= 0 ? magnitude : magnitude * gamma);                      \
+        }                                                                                            \
+        mark_largest(keys, n, k, mask);                                                              \
+        free(keys);                                                                                  \
+        int64_t kept = 0, miss = 0;                                                                  \
+        for (int64_t j = 0; j < n; j++) {                                                            \
+            coef[j] = mask[j] ? CONVERT(x[j]) : 0.0f;                                                \
+            if (!mask[j]) continue;                                                                  \
+            ids[kept++] = j;                                                                         \
+            if (slot_of[j] < 0) misses[miss++] = j;                                                  \
+        }                                                                                            \
+        *missed = miss;                                                                              \
+        return kept;                                                                                 \
+    }
+
+DEFINE_TOP_UNITS(flashlm_top_units_bf16, uint16_t, bf16_to_float)
+DEFINE_TOP_UNITS(flashlm_top_units_f16, _Float16, f16_to_float)
+DEFINE_TOP_UNITS(flashlm_top_units_f32, float, f32_to_float)

@@ -4,6 +4,11 @@
 selects for; a radix select over the scores' bits costs a fraction. `topk_mask` returns None where the
 C library is unavailable (no compiler, `FLASHLM_C_KERNEL=0`) or the input is not a CPU matrix, and the
 caller (`flashlm.methods.masking.magnitude_topk`) computes the same mask with torch.
+
+`TopUnits` is the same selection for one token, fused with what a decode step's stage does next
+(its unit ids, their cache lookup, the masked coefficients) into buffers it owns: in a decode step each
+tensor operator costs tens of microseconds, as the products between them leave the CPU's caches and
+TLBs cold, so a stage that runs one call instead of ten spends a fraction of the time.
 """
 
 from __future__ import annotations
@@ -26,7 +31,13 @@ def _functions() -> dict[torch.dtype, Callable] | None:
     library = load_library(SOURCE, "select", openmp=True)
     if library is None:
         return None
-    return typed_functions(library, "flashlm_topk", [_P, _I, _I, _I, _P, ctypes.c_float, _I, _P, _I])
+    functions = typed_functions(library, "flashlm_topk", [_P, _I, _I, _I, _P, ctypes.c_float, _I, _P, _I])
+    units = typed_functions(
+        library, "flashlm_top_units", [_P, _I, _P, ctypes.c_float, _I, _P, _P, _P, _P, _P]
+    )
+    for function in units.values():
+        function.restype = _I
+    return {"topk": functions, "units": units}
 
 
 def topk_mask(
@@ -34,7 +45,8 @@ def topk_mask(
 ) -> torch.Tensor | None:
     """`[T, n]` bool mask of the `k` largest `|x| * (1 if resident else gamma)` of each row (ties: lowest
     index first), or None where this kernel cannot run."""
-    functions = _functions()
+    library = _functions()
+    functions = None if library is None else library["topk"]
     if (
         functions is None
         or x.dim() != 2
@@ -61,3 +73,55 @@ def topk_mask(
             n,
         )
     return mask
+
+
+class TopUnits:
+    """One token's magnitude top-k over `num_units` units, with its lookup in a cache, in one C call
+    (`flashlm_top_units`), into buffers of its own that each call reuses (`nbytes` of them).
+
+    What a call returns are views of those buffers, valid until the next call: the caller owns one
+    per (layer, stage), which a layer's next forward reaches only after the step that used them.
+    """
+
+    def __init__(self, num_units: int) -> None:
+        self.num_units = num_units
+        self.mask = torch.empty(1, num_units, dtype=torch.bool)
+        self.coef = torch.empty(1, num_units, dtype=torch.float32)
+        self.ids = torch.empty(num_units, dtype=torch.int64)
+        self.miss_ids = torch.empty(num_units, dtype=torch.int64)
+        self._missed = ctypes.c_int64()
+        self._pointers = (
+            self.mask.data_ptr(),
+            self.coef.data_ptr(),
+            self.ids.data_ptr(),
+            self.miss_ids.data_ptr(),
+            ctypes.addressof(self._missed),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.mask, self.coef, self.ids, self.miss_ids))
+
+    def __call__(
+        self, x: torch.Tensor, k: int, slot_of: torch.Tensor, gamma: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """`(mask, coef, ids, miss_ids)` for the one token `x` (`[1, num_units]` on the CPU): the mask of
+        the `k` largest `|x| * (1 if slot_of >= 0 else gamma)` (as `topk_mask` with `slot_of >= 0` for
+        `resident`), `x` where the mask is set and 0 elsewhere (fp32), the kept unit ids ascending, and
+        those with `slot_of < 0`. None where the C library or this input cannot serve (the caller then
+        takes the general path)."""
+        library = _functions()
+        function = None if library is None else library["units"].get(x.dtype)
+        if function is None or not x.is_cpu or x.shape != self.mask.shape or x.stride(1) != 1:
+            return None
+        if not 0 <= k <= self.num_units:
+            raise ValueError(f"k must be in [0, {self.num_units}], got {k}.")
+        if slot_of.shape != (self.num_units,) or slot_of.dtype != torch.int64 or not slot_of.is_cpu:
+            raise ValueError(f"slot_of must be a CPU int64 vector of {self.num_units} slots.")
+        mask, coef, ids, miss_ids, missed = self._pointers
+        kept = function(
+            x.data_ptr(), self.num_units, slot_of.data_ptr(), gamma, k, mask, coef, ids, miss_ids, missed
+        )
+        if kept < 0:
+            raise MemoryError("The top-k selection could not allocate its scratch memory.")
+        return self.mask, self.coef, self.ids[:kept], self.miss_ids[: self._missed.value]
