@@ -298,7 +298,7 @@ class FlashMLP(MethodModule):
         return x
 
     def caches(self) -> list[NeuronCache]:
-        return [module for module in self.children() if isinstance(module, NeuronCache)]
+        return [module for module in self._modules.values() if isinstance(module, NeuronCache)]
 
     @torch.no_grad()
     def reset_state(self) -> None:
@@ -324,9 +324,8 @@ class FlashMLP(MethodModule):
 
     def counters(self) -> tuple[int, int, int]:
         """(hits, misses, evictions) summed over this module's caches."""
-        caches = self.caches()
-        return (
-            sum(c.hits for c in caches),
-            sum(c.misses for c in caches),
-            sum(c.evictions for c in caches),
-        )
+        hits = misses = evictions = 0
+        for cache in self.caches():
+            counts = cache.counters
+            hits, misses, evictions = hits + counts.hits, misses + counts.misses, evictions + counts.evictions
+        return hits, misses, evictions
