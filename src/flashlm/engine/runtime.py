@@ -52,12 +52,31 @@ a median 26 MB per layer) ran 3% faster queued (`benchmarks/per_token_path.py`).
 
 @dataclass(frozen=True)
 class CacheUpdate:
-    """One cache's update at the end of a decode step (`run(queued)`: `queued` when it runs on the I/O
-    thread, where it should let the decode thread run Python while it copies), and the row bytes it may
-    copy: its misses' rows (whether the cache admits them is the update's call)."""
+    """One cache's update at the end of a decode step: the units `used_ids` the step used, `miss_ids` those
+    it read into the staging matrix `rows` (by unit: `rows[u]` is unit u's row), at cache clock `step`."""
 
-    run: Callable[[bool], None]
-    copy_bytes: int
+    cache: NeuronCache
+    used_ids: torch.Tensor
+    miss_ids: torch.Tensor
+    rows: torch.Tensor
+    step: int
+
+    @property
+    def copy_bytes(self) -> int:
+        """The row bytes it may copy: its misses' rows (whether the cache admits them is its call)."""
+        return self.miss_ids.shape[0] * self.cache.row_bytes
+
+    def run(self, queued: bool) -> None:
+        """Update the cache; `queued` when on the I/O thread, where it lets the decode thread run Python
+        while it copies."""
+        self.cache.update(
+            self.used_ids, self.miss_ids, self.rows, self.step, by_unit=True, release_gil=queued
+        )
+
+    def owning_ids(self) -> CacheUpdate:
+        """This update with unit ids of its own: one queued past its step must not read buffers that the
+        next layers' selections reuse (`TopUnits`)."""
+        return dataclasses.replace(self, used_ids=self.used_ids.clone(), miss_ids=self.miss_ids.clone())
 
 
 @dataclass(frozen=True)
@@ -297,11 +316,10 @@ class FlashRuntime(Runtime):
             ]
             for kind in kinds
         }
-        self.top_units = {
-            key: TopUnits(row_files[key].rows) for key in row_files if key[1] in selection_kinds
-        }
-        """Each (layer, kind) stage's buffers for a decode token's selection fused with its lookup (the
-        `selection_kinds`' stages of a method whose selection may be a top-k: `SparseMLP._stage`)."""
+        self.top_units = {kind: TopUnits(store.row_file(0, kind).rows) for kind in selection_kinds}
+        """Each of the `selection_kinds`' buffers for a decode token's selection fused with its lookup
+        (`SparseMLP._stage`), shared by the layers, which run one after the other (a cache update queued
+        past its layer's forward takes copies: `CacheUpdate.owning_ids`)."""
         self.budget_bytes = config.budget.resolve(self.num_layers * self.layer_mlp_bytes)
         self.fitted_bytes = fitted_bytes
         self._cache_keys = list(row_files)
@@ -505,6 +523,7 @@ class FlashRuntime(Runtime):
                 update.run(False)
             return
         caches = [self.caches[(layer, kind)] for kind in kinds]
+        updates = [update.owning_ids() for update in updates]
 
         def run_and_count() -> None:
             # The forward that queued this recorded its counters already: the evictions are recorded here.

@@ -264,13 +264,7 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
         times.reads += fetched.reads
         if runtime.trace is not None:
             runtime.trace.record(runtime.step_start, layer, kind, ids)
-        step = runtime.step_start
-        return CacheUpdate(
-            lambda queued: cache.update(
-                ids, miss_ids, fetched.matrix, step, by_unit=True, release_gil=queued
-            ),
-            miss_ids.numel() * cache.row_bytes,
-        )
+        return CacheUpdate(cache, ids, miss_ids, fetched.matrix, runtime.step_start)
 
     def _finish(
         self,

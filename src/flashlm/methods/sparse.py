@@ -407,7 +407,7 @@ class SparseMLP(Selection, FlashMLP):
         fused = None
         if topk is not None and guess is None and values.shape[0] == 1:
             gamma = topk.gamma if self._depends_on_cache() else 1.0
-            fused = runtime.top_units[(layer, kind)](values, topk.k, cache.slot_of, gamma)
+            fused = runtime.top_units[kind](values, topk.k, cache.slot_of, gamma)
         if fused is not None:
             mask, coef, ids, miss_ids = fused
             cache.count(ids.shape[0] - miss_ids.shape[0], miss_ids.shape[0])
@@ -448,13 +448,7 @@ class SparseMLP(Selection, FlashMLP):
             fetched = parts.fetched
             if runtime.trace is not None:
                 runtime.trace.record(runtime.step_start, layer, kind, ids)
-            step = runtime.step_start
-            return CacheUpdate(
-                lambda queued: cache.update(
-                    ids, miss_ids, fetched.matrix, step, by_unit=True, release_gil=queued
-                ),
-                miss_ids.numel() * cache.row_bytes,
-            )
+            return CacheUpdate(cache, ids, miss_ids, fetched.matrix, runtime.step_start)
 
         return Selected(mask, coef), parts, finish
 

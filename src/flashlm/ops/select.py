@@ -79,8 +79,8 @@ class TopUnits:
     """One token's magnitude top-k over `num_units` units, with its lookup in a cache, in one C call
     (`flashlm_top_units`), into buffers of its own that each call reuses (`nbytes` of them).
 
-    What a call returns are views of those buffers, valid until the next call: the caller owns one
-    per (layer, stage), which a layer's next forward reaches only after the step that used them.
+    What a call returns are views of those buffers, valid until the next call (the runtime keeps one
+    per unit kind, which the layers share: `FlashRuntime.top_units`).
     """
 
     def __init__(self, num_units: int) -> None:
