@@ -8,9 +8,12 @@ at density 0.6 over the sparse methods' matrices of SmolLM2-135M and Qwen2.5-1.5
 `[d_model, 2 d_ff]`, a down matrix `[d_ff, d_model]`), cycling over enough copies that every call reads
 its rows from memory, as a decode step does, for 1, 4 and 32 tokens; `F.linear` over the whole dense
 matrix (the same bytes at density 1.0) for reference. Run it under the default capability and under
-`ATEN_CPU_CAPABILITY=avx2` (the kernel is then built for AVX2).
+`ATEN_CPU_CAPABILITY=avx2` (the kernel is then built for AVX2). `--sources` times other versions of
+the kernel's source beside it (another commit's `_columns.c`, saved to a file), at each block width.
 
     python benchmarks/column_blocks.py
+    git show 78b4783:src/flashlm/ops/_columns.c > /tmp/old.c
+    python benchmarks/column_blocks.py --blocks 65536 --sources /tmp/old.c,src/flashlm/ops/_columns.c
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ COLD_BYTES = 256 << 20
 """Bytes of matrices each shape cycles over: far more than a CPU's last-level cache."""
 
 
-def build(block: int, directory: Path):
-    library = directory / f"columns-{block}.so"
-    flags = [*build_flags(openmp=True), f"-DBLOCK={block}"]
-    subprocess.run(["cc", *flags, "-o", str(library), str(SOURCE)], check=True)
+def build(source: Path, block: int, directory: Path):
+    library = directory / f"columns-{len(list(directory.iterdir()))}.so"
+    # the copy beside the original finds its `#include "_elements.h"`
+    flags = [*build_flags(openmp=True), f"-DBLOCK={block}", f"-I{SOURCE.parent}"]
+    subprocess.run(["cc", *flags, "-o", str(library), str(source)], check=True)
     function = ctypes.CDLL(str(library)).flashlm_columns_bf16
     p, i = ctypes.c_void_p, ctypes.c_int64
     function.argtypes = [p, i, p, i, i, i, p, i, p, p, i, i]
@@ -92,16 +96,21 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,4,32")
     parser.add_argument("--density", type=float, default=0.6)
     parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--sources", default=str(SOURCE), help="comma-separated kernel sources to time")
     args = parser.parse_args()
     blocks = [int(b) for b in args.blocks.split(",")]
+    sources = [Path(source) for source in args.sources.split(",")]
+    names = [
+        f"{source.name} block {b}" if len(sources) > 1 else f"block {b}" for source in sources for b in blocks
+    ]
     capability = torch.backends.cpu.get_cpu_capability()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, capability {capability}")
     print(f"ms per product at density {args.density}; F.linear: the whole matrix, dense\n")
-    print("| matrix | tokens | " + " | ".join(f"block {b}" for b in blocks) + " | F.linear |")
-    print("|---|---|" + "---|" * (len(blocks) + 1))
+    print("| matrix | tokens | " + " | ".join(names) + " | F.linear |")
+    print("|---|---|" + "---|" * (len(names) + 1))
     generator = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as directory:
-        kernels = {block: build(block, Path(directory)) for block in blocks}
+        kernels = [build(source, block, Path(directory)) for source in sources for block in blocks]
         for name, (units, width) in SHAPES.items():
             copies = max(2, COLD_BYTES // (units * width * 2))
             matrices = [torch.randn(units, width, generator=generator).bfloat16() for _ in range(copies)]
@@ -114,7 +123,7 @@ def main() -> None:
                     milliseconds(
                         functools.partial(column_product, kernel, coef, matrices, out), copies, args.repeats
                     )
-                    for kernel in kernels.values()
+                    for kernel in kernels
                 ]
                 x = torch.randn(tokens, units, generator=generator).bfloat16()
                 weights = [m.t().contiguous() for m in matrices]
