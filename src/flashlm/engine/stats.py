@@ -43,7 +43,8 @@ TIME_FIELDS = (
     "compute_s",
 )
 """Where a layer's time went, each span counted once: `select_s` choosing the units (the method's
-masks), `lookup_s` finding the misses, `submit_s` handing reads to the reader, `io_s` waiting for
+masks), `lookup_s` finding the misses (0 where one call does both: a decode step's top-k selection,
+`flashlm.ops.select.TopUnits`), `submit_s` handing reads to the reader, `io_s` waiting for
 reads (what I/O adds to latency), `update_s` admission and eviction, `move_s` copying to the
 execution device and `decompress_s` expanding compressed weights (Endor), `compute_s` the products.
 `io_busy_s` is how long those reads took on the background reader, mostly overlapped with earlier
