@@ -582,6 +582,10 @@ class FlashRuntime(Runtime):
         """Start reading every uncached unit of `layer`'s `kinds` into staging buffer `buffer`. Which ones
         is decided here, on the decode thread (a C lookup of microseconds): on the I/O thread the same
         Python waited for the GIL while the decode thread ran, and took it from it in turn."""
+        for kind in kinds:
+            self.settle(layer, kind)  # a queued update may still expire units
+        if all(self.caches[(layer, kind)].size == self.caches[(layer, kind)].num_units for kind in kinds):
+            return self._nothing[(buffer, kinds)]  # nothing to read, found without a tensor operator
         plan = {kind: self.uncached(layer, kind) for kind in kinds}
         if not any(ids.numel() for ids in plan.values()):
             return self._nothing[(buffer, kinds)]
