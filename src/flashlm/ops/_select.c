@@ -92,18 +92,18 @@ DEFINE_TOPK(flashlm_topk_f32, float, f32_to_float)
  *   mask[j]  the selection;                     coef[j]  x[j] where kept, else 0 (fp32);
  *   ids      the kept units, ascending;         misses   those of them not resident, ascending.
  *
- * Returns the number kept and sets *missed (or -1, having written nothing, if keys cannot be allocated). */
+ * The keys are built in coef's memory (4 bytes a unit either way), so a call allocates nothing.
+ * Returns the number kept and sets *missed. */
 #define DEFINE_TOP_UNITS(NAME, ELEM, CONVERT)                                                         \
     int64_t NAME(const ELEM *x, int64_t n, const int64_t *slot_of, float gamma, int64_t k, uint8_t *mask, \
                  float *coef, int64_t *ids, int64_t *misses, int64_t *missed) {                       \
-        uint32_t *keys = malloc(sizeof(uint32_t) * (n > 0 ? n : 1));                                 \
-        if (!keys) return -1;                                                                        \
+        _Static_assert(sizeof(float) == sizeof(uint32_t), "keys live in coef's memory");             \
+        uint32_t *keys = (uint32_t *)coef;                                                           \
         for (int64_t j = 0; j < n; j++) {                                                            \
             const float magnitude = fabsf(CONVERT(x[j]));                                            \
             keys[j] = bits_of(slot_of[j] >= 0 ? magnitude : magnitude * gamma);                      \
         }                                                                                            \
         mark_largest(keys, n, k, mask);                                                              \
-        free(keys);                                                                                  \
         int64_t kept = 0, miss = 0;                                                                  \
         for (int64_t j = 0; j < n; j++) {                                                            \
             coef[j] = mask[j] ? CONVERT(x[j]) : 0.0f;                                                \

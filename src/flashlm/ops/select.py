@@ -122,6 +122,4 @@ class TopUnits:
         kept = function(
             x.data_ptr(), self.num_units, slot_of.data_ptr(), gamma, k, mask, coef, ids, miss_ids, missed
         )
-        if kept < 0:
-            raise MemoryError("The top-k selection could not allocate its scratch memory.")
         return self.mask, self.coef, self.ids[:kept], self.miss_ids[: self._missed.value]
