@@ -6,9 +6,10 @@ C library is unavailable (no compiler, `FLASHLM_C_KERNEL=0`) or the input is not
 caller (`flashlm.methods.masking.magnitude_topk`) computes the same mask with torch.
 
 `TopUnits` is the same selection for one token, fused with what a decode step's stage does next
-(its unit ids, their cache lookup, the masked coefficients) into buffers it owns: in a decode step each
-tensor operator costs tens of microseconds, as the products between them leave the CPU's caches and
-TLBs cold, so a stage that runs one call instead of ten spends a fraction of the time.
+(its unit ids, their cache lookup, the masked coefficients) into buffers it owns: one call where a
+stage ran about ten tensor operators, each of which can cost tens of microseconds in a decode step
+(the products between them leave the CPU's caches and TLBs cold; part of that start-up cost then
+falls on the next operator instead: README, `benchmarks/per_token_path.py`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 @functools.cache
-def _functions() -> dict[torch.dtype, Callable] | None:
+def _functions() -> dict[str, dict[torch.dtype, Callable]] | None:
+    """The library's typed functions by name (`topk`, `units`) and element type; None where unbuilt."""
     library = load_library(SOURCE, "select", openmp=True)
     if library is None:
         return None
