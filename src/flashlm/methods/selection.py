@@ -89,10 +89,7 @@ class GLUSelection(DIPSelection):
     """GLU pruning, the oracle (eq. 4): every input, then the top-k of the full GLU."""
 
     def input_topk(self) -> None:
-        return None
-
-    def select_input(self, x: torch.Tensor, resident: torch.Tensor | None) -> None:
-        return None
+        return None  # and so `select_input` keeps every input
 
     def output_topk(self) -> TopK:
         return TopK(self.k_out)
