@@ -152,6 +152,54 @@ def test_measured_choice_is_remembered_per_machine(monkeypatch, tmp_path) -> Non
         columns._measure.cache_clear()
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("read", [True, False], ids=["cached-and-read", "cached-only"])
+@pytest.mark.exactness
+def test_token_columns_round_the_kernels_sum_and_compute_the_glu(dtype, read) -> None:
+    """A decode stage in C (`TokenColumns`): the cached rows by their unit ids, then the rows read, in
+    place; the column kernel's sum rounded as `.to(dtype)` rounds it, exactly; and the GLU of its halves,
+    `up * silu(gate)` as torch computes it on the rounded halves, up to the last bit of SiLU's exp."""
+    units, width = 200, 96
+    g = torch.Generator().manual_seed(7)
+    matrix = torch.randn(units, width, generator=g).to(dtype)  # a staging matrix: unit i at row i
+    order = torch.randperm(units, generator=g)
+    cached_ids, read_ids = order[:120], order[120:].sort().values
+    cached_rows = matrix[cached_ids].clone()  # cache slots, in slot order
+    coef = torch.randn(1, units, generator=g) * (torch.rand(1, units, generator=g) < 0.6)
+    expected = torch.zeros(1, width)
+    native(expected, coef, cached_rows, None, cached_ids)
+    if read:
+        native(expected, coef, matrix, read_ids, read_ids)
+    rounded, half = expected.to(dtype), width // 2
+    token = columns.TokenColumns(width, dtype)
+    for glu in (False, True, False):  # each call starts its sum afresh
+        if read:
+            token.add(coef, cached_rows, cached_ids, start=True)
+            out = token.result(coef, matrix, read_ids, read_ids, start=False, glu=glu)
+        else:
+            out = token.result(coef, cached_rows, cached_ids, start=True, glu=glu)
+        if not glu:
+            assert torch.equal(out, rounded)
+            continue
+        reference = rounded[:, :half] * torch.nn.functional.silu(rounded[:, half:])
+        assert out.shape == reference.shape and out.dtype == dtype
+        torch.testing.assert_close(out, reference, rtol=torch.finfo(dtype).eps, atol=1e-6)
+        if dtype != torch.float32:  # each step rounded as torch rounds it: the rest agrees bit for bit
+            assert (out != reference).float().mean() < 0.02
+
+
+@needs_native
+def test_token_columns_serve_one_token_of_their_dtype_and_reject_bad_ids() -> None:
+    token = columns.TokenColumns(8, torch.bfloat16)
+    rows = torch.randn(4, 8).bfloat16()
+    assert token.serves(torch.randn(1, 4), rows)
+    assert not token.serves(torch.randn(2, 4), rows)  # two tokens: torch's path
+    assert not token.serves(torch.randn(1, 4), rows.float())
+    with pytest.raises(IndexError, match="unit ids"):
+        token.result(torch.randn(1, 4), rows, torch.tensor([0, 1, 2, 4]), start=True, glu=False)
+
+
 def test_slot_dtype_is_the_stores_or_float32() -> None:
     assert slot_dtype(torch.float32, 64) == torch.float32
     assert slot_dtype(torch.bfloat16, 64) in (torch.bfloat16, torch.float32)

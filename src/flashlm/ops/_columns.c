@@ -18,6 +18,7 @@
  * weigh. Each output's summation order is fixed (rows in order), whatever the thread count, so results
  * are deterministic.
  */
+#include <math.h>
 #include <omp.h>
 #include "_elements.h"
 #include <stdint.h>
@@ -132,6 +133,56 @@ DEFINE_COLUMNS(flashlm_columns_f32, float, f32_to_float)
 DEFINE_PARALLEL(flashlm_columns_bf16, uint16_t)
 DEFINE_PARALLEL(flashlm_columns_f16, _Float16)
 DEFINE_PARALLEL(flashlm_columns_f32, float)
+
+/* A decode token's stage, each of its two parts in one call: the cached rows (read by their unit ids) in
+ * one, the rows read for this step (staged in place) in the other, so that the cached rows are summed
+ * while the read of the others finishes.
+ *
+ *   mode & TOKEN_START: acc = 0 first; then acc += coef[c(k)] * rows[r(k)] over the part (flashlm_columns,
+ *     one token; acc is float32, `width` wide);
+ *   mode & TOKEN_ROUND: then out = acc, rounded to the rows' type (DIP's second stage: the MLP's output);
+ *   mode & TOKEN_GLU: then out[j] = up[j] * silu(gate[j]), with up = acc[0 .. h) and gate = acc[h .. 2h)
+ *     (h = width / 2), each of up, gate, silu(gate) and the product rounded to the rows' type, as torch
+ *     computes `up * silu(gate)` on halves rounded to the model's dtype (DIP's first stage).
+ *
+ * One call where torch took five to seven operators: in a decode step each operator's start costs several
+ * times its work (the product before it has evicted the interpreter's and torch's code and data from the
+ * CPU caches). SiLU's exp is the C library's; torch's vectorized exp can differ from it in the last bit.
+ * Returns 0, or -1 (having computed nothing) if a coefficient index lies outside 0 .. ncoef-1. */
+#define TOKEN_START 1
+#define TOKEN_ROUND 2
+#define TOKEN_GLU 4
+
+static inline uint16_t float_to_bf16(float f) {
+    union { float f; uint32_t u; } x;
+    x.f = f;
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN, as torch rounds it */
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16); /* to nearest, ties to even */
+}
+static inline _Float16 float_to_f16(float f) { return (_Float16)f; }
+static inline float float_to_f32(float f) { return f; }
+
+#define DEFINE_TOKEN(NAME, COLUMNS, ELEM, CONVERT, ROUND)                                             \
+    int64_t NAME(const float *coef, int64_t ncoef, const ELEM *rows, int64_t ldr, const int64_t *index, \
+                 const int64_t *cidx, int64_t n, float *acc, int64_t width, ELEM *out, int64_t mode) {   \
+        if (mode & TOKEN_START) memset(acc, 0, width * sizeof(float));                                \
+        if (COLUMNS(coef, ncoef, cidx, ncoef, 1, n, rows, ldr, index, acc, width, width)) return -1;  \
+        if (mode & TOKEN_ROUND)                                                                       \
+            for (int64_t j = 0; j < width; j++) out[j] = ROUND(acc[j]);                               \
+        if (mode & TOKEN_GLU) {                                                                       \
+            const int64_t h = width / 2;                                                              \
+            for (int64_t j = 0; j < h; j++) {                                                         \
+                const float up = CONVERT(ROUND(acc[j])), gate = CONVERT(ROUND(acc[h + j]));           \
+                const float act = CONVERT(ROUND(gate / (1.0f + expf(-gate))));                        \
+                out[j] = ROUND(up * act);                                                             \
+            }                                                                                         \
+        }                                                                                             \
+        return 0;                                                                                     \
+    }
+
+DEFINE_TOKEN(flashlm_token_columns_bf16, flashlm_columns_bf16, uint16_t, bf16_to_float, float_to_bf16)
+DEFINE_TOKEN(flashlm_token_columns_f16, flashlm_columns_f16, _Float16, f16_to_float, float_to_f16)
+DEFINE_TOKEN(flashlm_token_columns_f32, flashlm_columns_f32, float, f32_to_float, float_to_f32)
 
 /* Row dot products, the other half of a neuron-aware operator: each kept unit's row dotted with each
  * token, the rows read where they lie (never gathered),

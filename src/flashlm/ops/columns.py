@@ -63,6 +63,10 @@ def _native_functions() -> dict[torch.dtype, Callable] | None:
     for function in functions.values():
         function.restype = _I
     functions["dots"] = typed_functions(library, "flashlm_dots", [_P, _I, _I, _P, _I, _P, _I, _I, _P, _I])
+    token_argtypes = [_P, _I, _P, _I, _P, _P, _I, _P, _I, _P, _I]
+    functions["token"] = typed_functions(library, "flashlm_token_columns", token_argtypes)
+    for function in functions["token"].values():
+        function.restype = _I
     library.flashlm_flush.argtypes = [_P, _I]
     library.flashlm_flush.restype = None
     functions["flush"] = library.flashlm_flush
@@ -158,6 +162,100 @@ def native_dots(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, index: t
         out.data_ptr(),
         out.stride(0),
     )
+
+
+_TOKEN_START, _TOKEN_ROUND, _TOKEN_GLU = 1, 2, 4
+"""`flashlm_token_columns`' modes (`_columns.c`)."""
+
+
+class TokenColumns:
+    """A decode token's column product `coef @ rows` over a stage's rows, rounded to the rows' dtype, in the C
+    kernel: one call over the cached rows, made before the read of the others is waited for, and one over
+    the rows read (`_columns.c`, `flashlm_token_columns`), where torch's path runs five to seven operators.
+    With `glu`, the result is DIP's first stage, `up * silu(gate)` of the product's two halves, rounded
+    as torch rounds it.
+
+    Sums into a float32 accumulator it reuses; the GLU's `[1, width / 2]` result is a buffer it reuses too,
+    valid until its next call (the runtime keeps one per column kind, shared by the layers, as `TopUnits`).
+    """
+
+    def __init__(self, width: int, dtype: torch.dtype) -> None:
+        self.width = width
+        self.dtype = dtype
+        self.accumulator = torch.empty(width, dtype=torch.float32)
+        self.glu = torch.empty(1, width // 2, dtype=dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.accumulator, self.glu))
+
+    def serves(self, coef: torch.Tensor, rows: torch.Tensor) -> bool:
+        """Whether this call can compute `coef @ rows` (one token, rows of its dtype and width, on the CPU,
+        the C library built); the caller takes torch's path where it cannot."""
+        return (
+            coef.shape[0] == 1
+            and rows.dtype == self.dtype
+            and rows.shape[1] == self.width
+            and rows.is_cpu
+            and _native_functions() is not None
+        )
+
+    def add(
+        self,
+        coef: torch.Tensor,
+        rows: torch.Tensor,
+        ids: torch.Tensor,
+        index: torch.Tensor | None = None,
+        *,
+        start: bool,
+    ) -> None:
+        """Add `coef[:, ids[k]] * rows[k]` (or `rows[index[k]]`) over k to the sum (zeroed first if
+        `start`)."""
+        self._call(coef, rows, ids, index, _TOKEN_START if start else 0)
+
+    def result(
+        self,
+        coef: torch.Tensor,
+        rows: torch.Tensor,
+        ids: torch.Tensor,
+        index: torch.Tensor | None = None,
+        *,
+        start: bool,
+        glu: bool,
+    ) -> torch.Tensor:
+        """`add`, then the sum rounded to the rows' dtype, `[1, width]` (a new tensor), or with `glu` its
+        GLU (the reused buffer)."""
+        out = self.glu if glu else torch.empty(1, self.width, dtype=self.dtype)
+        mode = (_TOKEN_START if start else 0) | (_TOKEN_GLU if glu else _TOKEN_ROUND)
+        self._call(coef, rows, ids, index, mode, out)
+        return out
+
+    def _call(
+        self,
+        coef: torch.Tensor,
+        rows: torch.Tensor,
+        ids: torch.Tensor,
+        index: torch.Tensor | None,
+        mode: int,
+        out: torch.Tensor | None = None,
+    ) -> None:
+        if coef.dtype != torch.float32 or rows.dtype != self.dtype or rows.stride(1) != 1:
+            raise ValueError(f"coef must be float32 and rows {self.dtype} with unit column stride.")
+        status = _native_functions()["token"][self.dtype](
+            coef.data_ptr(),
+            coef.shape[1],
+            rows.data_ptr(),
+            rows.stride(0),
+            None if index is None else index.data_ptr(),
+            ids.data_ptr(),
+            ids.shape[0],
+            self.accumulator.data_ptr(),
+            self.width,
+            None if out is None else out.data_ptr(),
+            mode,
+        )
+        if status:
+            raise IndexError(f"unit ids must lie in [0, {coef.shape[1]}).")
 
 
 def torch_mm(out: torch.Tensor, coef: torch.Tensor, rows: torch.Tensor) -> None:
