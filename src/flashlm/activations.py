@@ -66,6 +66,16 @@ class FATReLU(nn.Module):
         return f"threshold={self.threshold:.6g}, replaces={self.replaces!r}"
 
 
+def is_silu(module: nn.Module) -> bool:
+    """Whether `module` computes exactly `torch.nn.functional.silu` (torch's module or transformers' own;
+    a subclass, or a kernel swapped in for transformers', may compute something else)."""
+    from transformers.activations import SiLUActivation
+
+    return type(module) is nn.SiLU or (
+        type(module) is SiLUActivation and type(module).forward is SiLUActivation.forward
+    )
+
+
 @dataclass(frozen=True)
 class Activation:
     """One MLP's activation: its layer, the module that owns it and the attribute that holds it."""

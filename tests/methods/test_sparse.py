@@ -33,6 +33,7 @@ from flashlm.methods.masking import (
 )
 from flashlm.methods.mlp import module_class
 from flashlm.ops import select
+from flashlm.ops.columns import TokenColumns
 from flashlm.ops.select import TopUnits
 from flashlm.patching import streaming_mlps
 from flashlm.store import add_kinds
@@ -567,6 +568,58 @@ def test_fused_selection_and_lookup_change_nothing(options, tiny_llama, monkeypa
         assert fused_totals[name] == apart_totals[name]
     for (slots, *counts), (slots_apart, *counts_apart) in zip(fused_caches, apart_caches, strict=True):
         assert torch.equal(slots, slots_apart) and counts == counts_apart
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"method": "dip", "density": 0.6},
+        {"method": "dip", "density": 0.6, "cache_aware": 0.2},
+        {"method": "glu", "density": 0.5},
+    ],
+    ids=["dip", "dip-ca", "glu"],
+)
+@pytest.mark.exactness
+def test_decode_products_in_c_compute_what_torch_computes(options, tiny_llama, monkeypatch) -> None:
+    """A decode token's column products and GLU in C (`TokenColumns`) give torch's path's tokens, reads and
+    cache contents, and its logits up to the last bit of SiLU's exp."""
+    path, _, store = tiny_llama
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(22))
+    calls = {"c": 0}
+    result = TokenColumns.result
+
+    def counting(token, *args, **kwargs):
+        calls["c"] += 1
+        return result(token, *args, **kwargs)
+
+    monkeypatch.setattr(TokenColumns, "result", counting)
+    runs = []
+    for in_c in (True, False):
+        model = load(path, store, cached=0.35, **options)
+        modules = streaming_mlps(model)
+        if not in_c:
+            modules[0].runtime.token_columns = {}
+        out = model.generate(
+            ids,
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        modules[0].runtime.drain()
+        totals = flashlm.stats(model).totals()
+        runs.append((out, totals, [cache.slot_ids.clone() for m in modules for cache in m.caches()]))
+        if in_c:  # every decode step's stages whose column kernel is measured fastest here ran in C
+            native = [w for m in modules for w in m.column_products if m._product(w).decode == "native"]
+            assert calls["c"] == 7 * len(native)  # 8 new tokens: the prompt's forward, then 7 decode steps
+    (c_out, c_totals, c_slots), (torch_out, torch_totals, torch_slots) = runs
+    assert torch.equal(c_out.sequences, torch_out.sequences)
+    for c_logits, torch_logits in zip(c_out.logits, torch_out.logits, strict=True):
+        torch.testing.assert_close(c_logits, torch_logits, rtol=1e-5, atol=1e-5)
+    for name in ("hits", "misses", "evictions", "bytes_read", "used_bytes"):
+        assert c_totals[name] == torch_totals[name]
+    assert all(torch.equal(a, b) for a, b in zip(c_slots, torch_slots, strict=True))
 
 
 def test_reads_ahead_where_the_reader_would_read_the_gaps_anyway() -> None:

@@ -25,6 +25,7 @@ from ..cache import BudgetPlan, NeuronCache, make_policy, split_budget
 from ..cache.placement import Placement, place_hot_neurons
 from ..cache.policies import NO_CACHE
 from ..cache.profile import UnitProfile
+from ..ops.columns import TokenColumns
 from ..ops.select import TopUnits
 from ..store import RowFile, Store, StoreReader
 from ..store.disk import DiskProfile, disk_profile
@@ -268,7 +269,8 @@ class FlashRuntime(Runtime):
     one layer's units each, so the next layer's reads land while this layer computes: dense streaming
     reads every kind ahead, a sparse method its first stage, and both stages in a multi-token
     forward), every cache's slots and indices, and the buffers of each `selection_kinds` stage's fused
-    selection and lookup (`TopUnits`, a few bytes per unit). Reads land in place in the staging
+    selection and lookup (`TopUnits`, a few bytes per unit) and of each `column_kinds` stage's decode
+    product (`TokenColumns`, one row's sum and result). Reads land in place in the staging
     matrices, so the reader needs no I/O buffer of its own.
 
     Reads run on one background thread (which fans out over the reader's pool), one at a time, so
@@ -289,6 +291,7 @@ class FlashRuntime(Runtime):
         fitted_bytes: int = 0,
         cache_split: str = "read-cost",
         selection_kinds: tuple[str, ...] = (),
+        column_kinds: tuple[str, ...] = (),
     ) -> None:
         dense = kinds is None
         kinds = dense_kinds(store.gated) if dense else kinds
@@ -320,6 +323,10 @@ class FlashRuntime(Runtime):
         """Each of the `selection_kinds`' buffers for a decode token's selection fused with its lookup
         (`SparseMLP._stage`), shared by the layers, which run one after the other (a cache update queued
         past its layer's forward takes copies: `CacheUpdate.owning_ids`)."""
+        self.token_columns = {
+            kind: TokenColumns(store.row_file(0, kind).width, store.dtype) for kind in column_kinds
+        }
+        """The same for each of the `column_kinds`' decode products (`TokenColumns`)."""
         self.budget_bytes = config.budget.resolve(self.num_layers * self.layer_mlp_bytes)
         self.fitted_bytes = fitted_bytes
         self._cache_keys = list(row_files)
@@ -333,7 +340,7 @@ class FlashRuntime(Runtime):
             self.budget_bytes,
             unit_bytes=unit_bytes,
             num_units=[row_files[key].rows for key in self._cache_keys],
-            overhead_bytes=self._staging_bytes() + self._selection_bytes() + fitted_bytes,
+            overhead_bytes=self._staging_bytes() + self._decode_buffer_bytes() + fitted_bytes,
             policy=self._policy_name,
             cache_units=config.policy != NO_CACHE,
             read_cost=(
@@ -675,15 +682,16 @@ class FlashRuntime(Runtime):
             cache.nbytes + sum(b.numel() * b.element_size() for b in cache.policy.buffers())
             for cache in self.caches.values()
         )
-        return cache_bytes + self._staging_bytes() + self._selection_bytes() + self.fitted_bytes
+        return cache_bytes + self._staging_bytes() + self._decode_buffer_bytes() + self.fitted_bytes
 
     def _staging_bytes(self) -> int:
         """The staging buffers' bytes: each one's whole allocation (its storage), with the spare block
         `row_matrix` adds and, pinned, the rest of the allocator's block."""
         return sum(b.untyped_storage().nbytes() for bufs in self.staging.values() for b in bufs)
 
-    def _selection_bytes(self) -> int:
-        return sum(top_units.nbytes for top_units in self.top_units.values())
+    def _decode_buffer_bytes(self) -> int:
+        buffers = [*self.top_units.values(), *self.token_columns.values()]
+        return sum(buffer.nbytes for buffer in buffers)
 
     def reset_stats(self) -> None:
         super().reset_stats()

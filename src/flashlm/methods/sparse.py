@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..activations import is_silu
 from ..cache import NeuronCache
 from ..engine.runtime import CacheUpdate, FlashRuntime
 from ..engine.stats import StageTimes
@@ -192,6 +193,7 @@ class SparseMLP(Selection, FlashMLP):
             cls.FITTED_FILES,
             cache_split=cls.CACHE_SPLIT,
             selection_kinds=cls.KINDS,
+            column_kinds=cls.COLUMN_KINDS,
         )
 
     @classmethod
@@ -534,6 +536,31 @@ class SparseMLP(Selection, FlashMLP):
             product(out, coef, rows, index, None if in_unit_order else ids)
         return out
 
+    def _token_columns(
+        self, coef: torch.Tensor, parts: Parts, dtype: torch.dtype, *, glu: bool
+    ) -> torch.Tensor | None:
+        """`_columns(coef, parts)` rounded to `dtype` (with `glu`: DIP's `up * act(gate)` of its two
+        halves) for one decode token, in C calls (`TokenColumns`) where torch would run five to seven
+        operators; None where those cannot serve (another dtype, another activation, torch's product
+        measured faster here), and torch's path computes it."""
+        if not isinstance(parts, _Parts) or parts.whole is not None:
+            return None
+        token = self.runtime.token_columns.get(parts.kind)
+        rows, ids = parts.cached
+        if (
+            token is None
+            or token.dtype != dtype
+            or not token.serves(coef, rows)
+            or (glu and not is_silu(self.act))
+            or self._product(token.width).decode != "native"
+        ):
+            return None
+        if not parts.miss_ids.numel():
+            return token.result(coef, rows, ids, start=True, glu=glu)
+        token.add(coef, rows, ids, start=True)  # the cached rows, while the read finishes
+        fetched = parts.fetched
+        return token.result(coef, fetched.matrix, fetched.ids, fetched.ids, start=False, glu=glu)
+
     @staticmethod
     def _row_width(parts: Parts) -> int:
         if isinstance(parts, _Parts):
@@ -598,14 +625,20 @@ class DIPMLP(DIPSelection, SparseMLP):
         return f"{super().extra_repr()}, k_in={self.k_in}{threshold}"
 
     def compute_input(self, x: torch.Tensor, selected: Selected, parts: Parts) -> torch.Tensor:
+        coef = selected.coefficients(x)
+        if (a := self._token_columns(coef, parts, x.dtype, glu=True)) is not None:
+            return a
         # dip_in row i: up[:, i] | gate[:, i]; rounded to the model's dtype as its projections are
-        up_gate = self._columns(selected.coefficients(x), parts).to(x.dtype)
+        up_gate = self._columns(coef, parts).to(x.dtype)
         return up_gate[:, : self.d_ff] * self.act(up_gate[:, self.d_ff :])
 
     def compute_output(
         self, x: torch.Tensor, a: torch.Tensor, selected: Selected, parts: Parts
     ) -> torch.Tensor:
-        return self._columns(selected.coefficients(a), parts).to(x.dtype)
+        coef = selected.coefficients(a)
+        if (out := self._token_columns(coef, parts, x.dtype, glu=False)) is not None:
+            return out
+        return self._columns(coef, parts).to(x.dtype)
 
 
 @register_method("glu")
