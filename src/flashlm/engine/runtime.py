@@ -25,7 +25,7 @@ from ..cache import BudgetPlan, NeuronCache, make_policy, split_budget
 from ..cache.placement import Placement, place_hot_neurons
 from ..cache.policies import NO_CACHE
 from ..cache.profile import UnitProfile
-from ..ops.columns import TokenColumns
+from ..ops import TokenColumns
 from ..ops.select import TopUnits
 from ..store import RowFile, Store, StoreReader
 from ..store.disk import DiskProfile, disk_profile
