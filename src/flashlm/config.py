@@ -143,9 +143,10 @@ class FlashConfig(QuantizationConfigMixin):
             every kind; sparse methods: the first stage's, e.g. DIP's up/gate input columns, needed
             or not). `None` (default) decides: always for dense streaming and for methods whose first
             stage reads every unit; for DIP when the reader's merged reads would cover nearly all of
-            them anyway (small units, high input density); otherwise DIP reads, a layer ahead, the
-            input columns the next layer would select for this layer's input (the residual stream
-            changes little between layers), and only the rest when that layer runs. `False` makes
+            them anyway (small units, high input density); otherwise DIP-CA reads, a layer ahead,
+            the input columns the next layer would select for this layer's input (the residual stream
+            changes little between layers), and only the rest when that layer runs, and plain DIP
+            reads each layer's when it runs (it would read every wrong guess). `False` makes
             each layer read what it needs when it needs it: slower, but its compute then runs
             without reads beside it (for measuring what overlapped I/O costs the compute). The
             output is unchanged, but for DIP-CA's with the guess (guessed columns count as resident).

@@ -430,10 +430,11 @@ def test_read_ahead_changes_nothing_but_the_reads(options, tiny_llama) -> None:
 
 @pytest.mark.parametrize("gamma", [1.0, 0.2])
 def test_guessed_reads_are_counted_and_change_plain_dip_not_at_all(gamma, tiny_llama, monkeypatch) -> None:
-    """Where DIP does not read every input ahead, a decode step reads ahead the inputs the next layer
-    would select for this layer's input. Plain DIP's selection ignores the cache, so the guess changes
-    nothing but the reads; DIP-CA counts guessed units as resident, so its selection may differ. Either
-    way every byte the reader read is in the stats, and no guess is left in flight."""
+    """Where DIP-CA does not read every input ahead, a decode step reads ahead the inputs the next layer
+    would select for this layer's input; plain DIP does not unless asked (`guesses_ahead`). Plain DIP's
+    selection ignores the cache, so the guess changes nothing but the reads; DIP-CA counts guessed
+    units as resident, so its selection may differ. Either way every byte the reader read is in the
+    stats, and no guess is left in flight."""
     path, _, store = tiny_llama
     monkeypatch.setattr(
         sparse_module, "reads_ahead", lambda config, store, calibration: bool(config.read_ahead)
@@ -442,9 +443,11 @@ def test_guessed_reads_are_counted_and_change_plain_dip_not_at_all(gamma, tiny_l
     runs = {}
     for read_ahead in (False, None):
         model = load(path, store, method="dip", density=0.6, cache_aware=gamma, read_ahead=read_ahead)
-        module = streaming_mlps(model)[0]
-        runtime = module.runtime
-        assert runtime.read_ahead == () and module.guesses_ahead == (read_ahead is None)
+        modules = streaming_mlps(model)
+        runtime = modules[0].runtime
+        assert runtime.read_ahead == () and modules[0].guesses_ahead == (read_ahead is None and gamma < 1)
+        for module in modules:  # asked, plain DIP guesses too
+            module.guesses_ahead = read_ahead is None
         guesses = []
         monkeypatch.setattr(
             runtime, "guess", lambda *args, g=runtime.guess, seen=guesses: (seen.append(args), g(*args))
