@@ -520,6 +520,36 @@ def test_cache_updates_run_at_once_or_on_the_io_thread_alike(options, tiny_llama
         assert torch.equal(resident, resident_now) and counts == counts_now
 
 
+def count_calls(monkeypatch, cls, name: str) -> dict[str, int]:
+    """Count the calls of method `name` of `cls`, which still run, in the returned dict's `"calls"`."""
+    calls = {"calls": 0}
+    method = getattr(cls, name)
+
+    def counting(self, *args, **kwargs):
+        calls["calls"] += 1
+        return method(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, counting)
+    return calls
+
+
+def greedy_run(model, ids: torch.Tensor):
+    """Eight greedy tokens after `ids` with their logits, then the totals of the stats and every cache's
+    (slots, hits, misses)."""
+    out = model.generate(
+        ids,
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    modules = streaming_mlps(model)
+    modules[0].runtime.drain()
+    caches = [cache for module in modules for cache in module.caches()]
+    return out, flashlm.stats(model).totals(), [(c.slot_ids.clone(), c.hits, c.misses) for c in caches]
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -536,35 +566,12 @@ def test_fused_selection_and_lookup_change_nothing(options, tiny_llama, monkeypa
     and counts what the selection and the lookup run apart do."""
     path, _, store = tiny_llama
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(21))
-    calls = {"fused": 0}
-    fused_call = TopUnits.__call__
-
-    def counting(top_units, *args, **kwargs):
-        calls["fused"] += 1
-        return fused_call(top_units, *args, **kwargs)
-
-    runs = []
-    for fused in (True, False):
-        monkeypatch.setattr(TopUnits, "__call__", counting if fused else lambda *args, **kwargs: None)
-        model = load(path, store, cached=0.35, **options)
-        tokens = model.generate(
-            ids,
-            max_new_tokens=8,
-            do_sample=False,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        modules = streaming_mlps(model)
-        modules[0].runtime.drain()
-        totals = flashlm.stats(model).totals()
-        caches = [cache for module in modules for cache in module.caches()]
-        runs.append(
-            (tokens, totals, [(cache.slot_ids.clone(), cache.hits, cache.misses) for cache in caches])
-        )
-    (fused_out, fused_totals, fused_caches), (apart_out, apart_totals, apart_caches) = runs
+    calls = count_calls(monkeypatch, TopUnits, "__call__")
+    fused_out, fused_totals, fused_caches = greedy_run(load(path, store, cached=0.35, **options), ids)
+    monkeypatch.setattr(TopUnits, "__call__", lambda *args, **kwargs: None)  # every stage apart
+    apart_out, apart_totals, apart_caches = greedy_run(load(path, store, cached=0.35, **options), ids)
     if select._functions() is not None:
-        assert calls["fused"] > 0
+        assert calls["calls"] > 0
     assert torch.equal(fused_out.sequences, apart_out.sequences)
     assert all(torch.equal(a, b) for a, b in zip(fused_out.logits, apart_out.logits, strict=True))
     for name in ("hits", "misses", "evictions", "bytes_read", "used_bytes"):
@@ -588,41 +595,24 @@ def test_decode_products_in_c_compute_what_torch_computes(options, tiny_llama, m
     cache contents, and its logits up to the last bit of SiLU's exp."""
     path, _, store = tiny_llama
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(22))
-    calls = {"c": 0}
-    result = TokenColumns.result
-
-    def counting(token, *args, **kwargs):
-        calls["c"] += 1
-        return result(token, *args, **kwargs)
-
-    monkeypatch.setattr(TokenColumns, "result", counting)
-    runs = []
-    for in_c in (True, False):
-        model = load(path, store, cached=0.35, **options)
-        modules = streaming_mlps(model)
-        if not in_c:
-            modules[0].runtime.token_columns = {}
-        out = model.generate(
-            ids,
-            max_new_tokens=8,
-            do_sample=False,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        modules[0].runtime.drain()
-        totals = flashlm.stats(model).totals()
-        runs.append((out, totals, [cache.slot_ids.clone() for m in modules for cache in m.caches()]))
-        if in_c:  # every decode step's stages whose column kernel is measured fastest here ran in C
-            native = [w for m in modules for w in m.column_products if m._product(w).decode == "native"]
-            assert calls["c"] == 7 * len(native)  # 8 new tokens: the prompt's forward, then 7 decode steps
-    (c_out, c_totals, c_slots), (torch_out, torch_totals, torch_slots) = runs
+    calls = count_calls(monkeypatch, TokenColumns, "result")
+    model = load(path, store, cached=0.35, **options)
+    c_out, c_totals, c_caches = greedy_run(model, ids)
+    # every decode step's stages whose column kernel is measured fastest here ran in C
+    modules = streaming_mlps(model)
+    native = [w for m in modules for w in m.column_products if m._product(w).decode == "native"]
+    assert calls["calls"] == 7 * len(native)  # 8 new tokens: the prompt's forward, then 7 decode steps
+    model = load(path, store, cached=0.35, **options)
+    streaming_mlps(model)[0].runtime.token_columns = {}  # torch's path
+    torch_out, torch_totals, torch_caches = greedy_run(model, ids)
     assert torch.equal(c_out.sequences, torch_out.sequences)
     for c_logits, torch_logits in zip(c_out.logits, torch_out.logits, strict=True):
         torch.testing.assert_close(c_logits, torch_logits, rtol=1e-5, atol=1e-5)
     for name in ("hits", "misses", "evictions", "bytes_read", "used_bytes"):
         assert c_totals[name] == torch_totals[name]
-    assert all(torch.equal(a, b) for a, b in zip(c_slots, torch_slots, strict=True))
+    assert all(
+        torch.equal(a[0], b[0]) and a[1:] == b[1:] for a, b in zip(c_caches, torch_caches, strict=True)
+    )
 
 
 def test_reads_ahead_where_the_reader_would_read_the_gaps_anyway() -> None:
