@@ -450,7 +450,9 @@ def test_guessed_reads_are_counted_and_change_plain_dip_not_at_all(gamma, tiny_l
             module.guesses_ahead = read_ahead is None
         guesses = []
         monkeypatch.setattr(
-            runtime, "guess", lambda *args, g=runtime.guess, seen=guesses: (seen.append(args), g(*args))
+            runtime,
+            "guess_uncached",
+            lambda *args, g=runtime.guess_uncached, seen=guesses: (seen.append(args), g(*args)),
         )
         with torch.no_grad():
             logits = model(ids).logits
@@ -572,6 +574,40 @@ def test_fused_selection_and_lookup_change_nothing(options, tiny_llama, monkeypa
     apart_out, apart_totals, apart_caches = greedy_run(load(path, store, cached=0.35, **options), ids)
     if select._functions() is not None:
         assert calls["calls"] > 0
+    assert torch.equal(fused_out.sequences, apart_out.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(fused_out.logits, apart_out.logits, strict=True))
+    for name in ("hits", "misses", "evictions", "bytes_read", "used_bytes"):
+        assert fused_totals[name] == apart_totals[name]
+    for (slots, *counts), (slots_apart, *counts_apart) in zip(fused_caches, apart_caches, strict=True):
+        assert torch.equal(slots, slots_apart) and counts == counts_apart
+
+
+@pytest.mark.exactness
+def test_fused_guess_changes_nothing(tiny_llama, monkeypatch) -> None:
+    """DIP-CA's layer-ahead guess selected fused with its lookup (`guess_units`), and the guessed layer's
+    fused selection counting the guess's mask as resident, compute, read, keep and count what the
+    selections run apart do."""
+    path, _, store = tiny_llama
+    monkeypatch.setattr(sparse_module, "reads_ahead", lambda config, store, calibration: False)  # guess
+    options = {"method": "dip", "density": 0.6, "cache_aware": 0.2}
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(23))
+    fused_guesses: list[bool] = []
+    guess_uncached = runtime_module.FlashRuntime.guess_uncached
+
+    def recording(runtime, layer, kind, uncached, buffer, selected=None):
+        fused_guesses.append(selected is not None)
+        return guess_uncached(runtime, layer, kind, uncached, buffer, selected)
+
+    monkeypatch.setattr(runtime_module.FlashRuntime, "guess_uncached", recording)
+    model = load(path, store, cached=0.35, **options)
+    assert streaming_mlps(model)[0].guesses_ahead
+    fused_out, fused_totals, fused_caches = greedy_run(model, ids)
+    guesses = 7 * (len(streaming_mlps(model)) - 1)  # each decode step, each layer but the last
+    assert fused_guesses == [select._functions() is not None] * guesses
+    fused_guesses.clear()
+    monkeypatch.setattr(TopUnits, "__call__", lambda *args, **kwargs: None)  # every selection apart
+    apart_out, apart_totals, apart_caches = greedy_run(load(path, store, cached=0.35, **options), ids)
+    assert fused_guesses == [False] * guesses
     assert torch.equal(fused_out.sequences, apart_out.sequences)
     assert all(torch.equal(a, b) for a, b in zip(fused_out.logits, apart_out.logits, strict=True))
     for name in ("hits", "misses", "evictions", "bytes_read", "used_bytes"):

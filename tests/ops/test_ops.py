@@ -259,6 +259,28 @@ def test_top_units_is_the_selection_its_ids_lookup_and_coefficients(dtype, n, k,
 
 
 @needs_select
+@pytest.mark.parametrize("gamma", [1.0, 0.2])
+@pytest.mark.exactness
+def test_top_units_count_also_resident_units_as_resident_but_not_as_hits(gamma) -> None:
+    """Units read by other means (a guess) weigh as resident in the selection; the misses are still the
+    kept units the cache lacks."""
+    n, k = 300, 120
+    top_units = select.TopUnits(n)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, n, generator=g).bfloat16()
+    slot_of = torch.where(torch.rand(n, generator=g) < 0.3, torch.arange(n), -1)
+    also = torch.rand(n, generator=g) < 0.3
+    mask, coef, ids, miss_ids = top_units(x, k, slot_of, gamma, also)
+    expected = reference_topk(x, k, None if gamma == 1 else (slot_of >= 0) | also, gamma)
+    assert torch.equal(mask, expected)
+    assert torch.equal(ids, union_ids(expected))
+    assert torch.equal(miss_ids, ids[slot_of[ids] < 0])
+    assert torch.equal(coef, (x * expected).float())
+    with pytest.raises(ValueError, match="also_resident"):
+        top_units(x, k, slot_of, gamma, also[:10])
+
+
+@needs_select
 def test_top_units_declines_what_it_cannot_serve_and_rejects_bad_arguments() -> None:
     top_units = select.TopUnits(8)
     slot_of = torch.full((8,), -1)

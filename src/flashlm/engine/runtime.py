@@ -170,6 +170,10 @@ class Guess:
     buffer: int
     ids: torch.Tensor
     pending: Future[Fetch]
+    selected: torch.Tensor | None = None
+    """Every unit the guess selected, cached or not, as a bool mask (`[1, units]`), where its selection ran
+    fused (`FlashRuntime.guess_units`): the guessed layer's own selection counts them as resident. A
+    buffer that the next guess reuses."""
 
 
 class Runtime:
@@ -269,8 +273,9 @@ class FlashRuntime(Runtime):
     one layer's units each, so the next layer's reads land while this layer computes: dense streaming
     reads every kind ahead, a sparse method its first stage, and both stages in a multi-token
     forward), every cache's slots and indices, and the buffers of each `selection_kinds` stage's fused
-    selection and lookup (`TopUnits`, a few bytes per unit) and of each `column_kinds` stage's decode
-    product (`TokenColumns`, one row's sum and result). Reads land in place in the staging
+    selection and lookup (`TopUnits`, a few bytes per unit; a second set for each of the `guess_kinds`,
+    whose next layer's units a decode step guesses) and of each `column_kinds` stage's decode product
+    (`TokenColumns`, one row's sum and result). Reads land in place in the staging
     matrices, so the reader needs no I/O buffer of its own.
 
     Reads run on one background thread (which fans out over the reader's pool), one at a time, so
@@ -292,6 +297,7 @@ class FlashRuntime(Runtime):
         cache_split: str = "read-cost",
         selection_kinds: tuple[str, ...] = (),
         column_kinds: tuple[str, ...] = (),
+        guess_kinds: tuple[str, ...] = (),
     ) -> None:
         dense = kinds is None
         kinds = dense_kinds(store.gated) if dense else kinds
@@ -327,6 +333,9 @@ class FlashRuntime(Runtime):
             kind: TokenColumns(store.row_file(0, kind).width, store.dtype) for kind in column_kinds
         }
         """The same for each of the `column_kinds`' decode products (`TokenColumns`)."""
+        self.guess_units = {kind: TopUnits(store.row_file(0, kind).rows) for kind in guess_kinds}
+        """The same for each of the `guess_kinds`' selections a layer ahead (`guess`), apart from
+        `top_units`: the guessed layer's own selection reads the guess's mask."""
         self.budget_bytes = config.budget.resolve(self.num_layers * self.layer_mlp_bytes)
         self.fitted_bytes = fitted_bytes
         self._cache_keys = list(row_files)
@@ -621,10 +630,17 @@ class FlashRuntime(Runtime):
         probably select, into staging buffer `buffer` (one the forward running now does not use). Queued
         after the reads and cache updates already submitted, so it overlaps the compute between here and
         that layer."""
-        self.take_guess(-1, kind)  # one guess at a time: an unclaimed one is waited for and dropped
         self.settle(layer, kind)
-        ids = self.caches[(layer, kind)].missing(ids).cpu()
-        self._guess = Guess(layer, kind, buffer, ids, self.submit(layer, kind, ids, buffer))
+        self.guess_uncached(layer, kind, self.caches[(layer, kind)].missing(ids).cpu(), buffer)
+
+    def guess_uncached(
+        self, layer: int, kind: str, uncached: torch.Tensor, buffer: int, selected: torch.Tensor | None = None
+    ) -> None:
+        """`guess`, given the guess's `uncached` units (ids the read may keep: the caller's own) and, where
+        its selection ran fused with its lookup (`guess_units`), the mask of every unit it `selected`."""
+        self.take_guess(-1, kind)  # one guess at a time: an unclaimed one is waited for and dropped
+        pending = self.submit(layer, kind, uncached, buffer)
+        self._guess = Guess(layer, kind, buffer, uncached, pending, selected)
 
     def take_guess(self, layer: int, kind: str) -> Guess | None:
         """The guess started for `layer`'s `kind`, if that is the one outstanding (any other is waited for
@@ -690,7 +706,7 @@ class FlashRuntime(Runtime):
         return sum(b.untyped_storage().nbytes() for bufs in self.staging.values() for b in bufs)
 
     def _decode_buffer_bytes(self) -> int:
-        buffers = [*self.top_units.values(), *self.token_columns.values()]
+        buffers = [*self.top_units.values(), *self.guess_units.values(), *self.token_columns.values()]
         return sum(buffer.nbytes for buffer in buffers)
 
     def reset_stats(self) -> None:

@@ -194,7 +194,14 @@ class SparseMLP(Selection, FlashMLP):
             cache_split=cls.CACHE_SPLIT,
             selection_kinds=cls.KINDS,
             column_kinds=cls.COLUMN_KINDS,
+            guess_kinds=(cls.INPUT_KIND,) if cls.guesses(config, read_ahead) else (),
         )
+
+    @classmethod
+    def guesses(cls, config: FlashConfig, read_ahead: tuple[str, ...]) -> bool:
+        """Whether a decode step reads, a layer ahead, the input units the next layer would select for
+        this layer's input (`_guess_next_layer`), with `read_ahead` the kinds read ahead whole."""
+        return False
 
     @classmethod
     def build(
@@ -407,9 +414,11 @@ class SparseMLP(Selection, FlashMLP):
         started = perf_counter()
         guess = runtime.take_guess(layer, kind) if kind == self.INPUT_KIND and self.guesses_ahead else None
         fused = None
-        if topk is not None and guess is None and values.shape[0] == 1:
-            gamma = topk.gamma if self._depends_on_cache() else 1.0
-            fused = runtime.top_units[kind](values, topk.k, cache.slot_of, gamma)
+        gamma = topk.gamma if topk is not None and self._depends_on_cache() else 1.0
+        # With a guess, the selection counts the guessed units as resident: fused where it has their mask.
+        guessed = None if guess is None else guess.selected
+        if topk is not None and values.shape[0] == 1 and (guess is None or guessed is not None or gamma == 1):
+            fused = runtime.top_units[kind](values, topk.k, cache.slot_of, gamma, guessed)
         if fused is not None:
             mask, coef, ids, miss_ids = fused
             cache.count(ids.shape[0] - miss_ids.shape[0], miss_ids.shape[0])
@@ -464,6 +473,14 @@ class SparseMLP(Selection, FlashMLP):
             return  # the next token's first layer sees a new embedding: nothing to guess from
         runtime.settle(following, self.INPUT_KIND)
         cache = runtime.caches[(following, self.INPUT_KIND)]
+        topk, guess_units = self.input_topk(), runtime.guess_units.get(self.INPUT_KIND)
+        if topk is not None and guess_units is not None:
+            gamma = topk.gamma if self._depends_on_cache() else 1.0
+            fused = guess_units(x, topk.k, cache.slot_of, gamma)
+            if fused is not None:
+                mask, _, _, uncached = fused
+                runtime.guess_uncached(following, self.INPUT_KIND, uncached.clone(), buffer, mask)
+                return
         mask = self.select_input(x, self._residency(cache))
         ids = runtime.unit_ids[: cache.num_units] if mask is None else union_ids(mask)
         runtime.guess(following, self.INPUT_KIND, ids, buffer)
@@ -615,15 +632,14 @@ class DIPMLP(DIPSelection, SparseMLP):
         super().__init__(*args, **kwargs)
         self.k_in = k_in
         self.input_threshold = input_threshold
-        runtime = self.runtime
+        self.guesses_ahead = self.guesses(self.runtime.config, self.runtime.read_ahead)
+
+    @classmethod
+    def guesses(cls, config: FlashConfig, read_ahead: tuple[str, ...]) -> bool:
         # Only DIP-CA guesses: plain DIP's selection does not count guessed units as resident, so it reads
         # whatever the guess missed besides every guessed unit it does not select (Qwen2.5-1.5B at 50%:
         # 1.10 against 0.88 GB per token, and 14-30% fewer tokens/s than without the guess).
-        self.guesses_ahead = (
-            self._depends_on_cache()
-            and runtime.config.read_ahead is not False
-            and self.INPUT_KIND not in runtime.read_ahead
-        )
+        return config.cache_aware < 1 and config.read_ahead is not False and cls.INPUT_KIND not in read_ahead
 
     def extra_repr(self) -> str:
         threshold = "" if self.input_threshold is None else f", input_threshold={self.input_threshold:.4g}"

@@ -86,8 +86,9 @@ DEFINE_TOPK(flashlm_topk_f16, _Float16, f16_to_float)
 DEFINE_TOPK(flashlm_topk_f32, float, f32_to_float)
 
 /* One token's stage of a decode step in one pass over its units: the selection above (residency read
- * from a cache's slot_of: unit j is resident where slot_of[j] >= 0; gamma 1 weighs none), then what the
- * stage needs of it, so that the caller runs no tensor operator between selecting and reading:
+ * from a cache's slot_of: unit j is resident where slot_of[j] >= 0, or where `also[j]` is set, units read
+ * already by other means (a guess); gamma 1 weighs none), then what the stage needs of it, so that the
+ * caller runs no tensor operator between selecting and reading:
  *
  *   mask[j]  the selection;                     coef[j]  x[j] where kept, else 0 (fp32);
  *   ids      the kept units, ascending;         misses   those of them not resident, ascending.
@@ -95,13 +96,14 @@ DEFINE_TOPK(flashlm_topk_f32, float, f32_to_float)
  * The keys are built in coef's memory (4 bytes a unit either way), so a call allocates nothing.
  * Returns the number kept and sets *missed. */
 #define DEFINE_TOP_UNITS(NAME, ELEM, CONVERT)                                                         \
-    int64_t NAME(const ELEM *x, int64_t n, const int64_t *slot_of, float gamma, int64_t k, uint8_t *mask, \
-                 float *coef, int64_t *ids, int64_t *misses, int64_t *missed) {                       \
+    int64_t NAME(const ELEM *x, int64_t n, const int64_t *slot_of, const uint8_t *also, float gamma,     \
+                 int64_t k, uint8_t *mask, float *coef, int64_t *ids, int64_t *misses, int64_t *missed) {    \
         _Static_assert(sizeof(float) == sizeof(uint32_t), "keys live in coef's memory");             \
         uint32_t *keys = (uint32_t *)coef;                                                           \
         for (int64_t j = 0; j < n; j++) {                                                            \
             const float magnitude = fabsf(CONVERT(x[j]));                                            \
-            keys[j] = bits_of(slot_of[j] >= 0 ? magnitude : magnitude * gamma);                      \
+            const int resident = slot_of[j] >= 0 || (also && also[j]);                               \
+            keys[j] = bits_of(resident ? magnitude : magnitude * gamma);                             \
         }                                                                                            \
         mark_largest(keys, n, k, mask);                                                              \
         int64_t kept = 0, miss = 0;                                                                  \

@@ -35,7 +35,7 @@ def _functions() -> dict[str, dict[torch.dtype, Callable]] | None:
         return None
     functions = typed_functions(library, "flashlm_topk", [_P, _I, _I, _I, _P, ctypes.c_float, _I, _P, _I])
     units = typed_functions(
-        library, "flashlm_top_units", [_P, _I, _P, ctypes.c_float, _I, _P, _P, _P, _P, _P]
+        library, "flashlm_top_units", [_P, _I, _P, _P, ctypes.c_float, _I, _P, _P, _P, _P, _P]
     )
     for function in units.values():
         function.restype = _I
@@ -105,13 +105,19 @@ class TopUnits:
         return sum(t.numel() * t.element_size() for t in (self.mask, self.coef, self.ids, self.miss_ids))
 
     def __call__(
-        self, x: torch.Tensor, k: int, slot_of: torch.Tensor, gamma: float = 1.0
+        self,
+        x: torch.Tensor,
+        k: int,
+        slot_of: torch.Tensor,
+        gamma: float = 1.0,
+        also_resident: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """`(mask, coef, ids, miss_ids)` for the one token `x` (`[1, num_units]` on the CPU): the mask of
-        the `k` largest `|x| * (1 if slot_of >= 0 else gamma)` (as `topk_mask` with `slot_of >= 0` for
-        `resident`), `x` where the mask is set and 0 elsewhere (fp32), the kept unit ids ascending, and
-        those with `slot_of < 0`. None where the C library or this input cannot serve (the caller then
-        takes the general path)."""
+        the `k` largest `|x| * (1 if resident else gamma)` (as `topk_mask`), a unit resident where
+        `slot_of >= 0` or `also_resident` (a bool mask of `num_units`: units read by other means, a
+        guess) is set; `x` where the mask is set and 0 elsewhere (fp32); the kept unit ids ascending;
+        and those with `slot_of < 0`. None where the C library or this input cannot serve (the caller
+        then takes the general path)."""
         library = _functions()
         function = None if library is None else library["units"].get(x.dtype)
         if function is None or not x.is_cpu or x.shape != self.mask.shape or x.stride(1) != 1:
@@ -120,8 +126,25 @@ class TopUnits:
             raise ValueError(f"k must be in [0, {self.num_units}], got {k}.")
         if slot_of.shape != (self.num_units,) or slot_of.dtype != torch.int64 or not slot_of.is_cpu:
             raise ValueError(f"slot_of must be a CPU int64 vector of {self.num_units} slots.")
+        also = None
+        if also_resident is not None:
+            if also_resident.dtype != torch.bool or also_resident.numel() != self.num_units:
+                raise ValueError(f"also_resident must be a bool mask of {self.num_units} units.")
+            if not (also_resident.is_cpu and also_resident.is_contiguous()):
+                return None
+            also = also_resident.data_ptr()
         mask, coef, ids, miss_ids, missed = self._pointers
         kept = function(
-            x.data_ptr(), self.num_units, slot_of.data_ptr(), gamma, k, mask, coef, ids, miss_ids, missed
+            x.data_ptr(),
+            self.num_units,
+            slot_of.data_ptr(),
+            also,
+            gamma,
+            k,
+            mask,
+            coef,
+            ids,
+            miss_ids,
+            missed,
         )
         return self.mask, self.coef, self.ids[:kept], self.miss_ids[: self._missed.value]
