@@ -552,6 +552,17 @@ def greedy_run(model, ids: torch.Tensor):
     return out, flashlm.stats(model).totals(), [(c.slot_ids.clone(), c.hits, c.misses) for c in caches]
 
 
+def assert_same_runs(run, other) -> None:
+    """Two `greedy_run`s computed, read, kept and counted the same: tokens, logits, totals, caches."""
+    (out, totals, caches), (other_out, other_totals, other_caches) = run, other
+    assert torch.equal(out.sequences, other_out.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, other_out.logits, strict=True))
+    for name in ("hits", "misses", "evictions", "bytes_read", "used_bytes"):
+        assert totals[name] == other_totals[name]
+    for (slots, *counts), (other_slots, *other_counts) in zip(caches, other_caches, strict=True):
+        assert torch.equal(slots, other_slots) and counts == other_counts
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -574,12 +585,7 @@ def test_fused_selection_and_lookup_change_nothing(options, tiny_llama, monkeypa
     apart_out, apart_totals, apart_caches = greedy_run(load(path, store, cached=0.35, **options), ids)
     if select._functions() is not None:
         assert calls["calls"] > 0
-    assert torch.equal(fused_out.sequences, apart_out.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(fused_out.logits, apart_out.logits, strict=True))
-    for name in ("hits", "misses", "evictions", "bytes_read", "used_bytes"):
-        assert fused_totals[name] == apart_totals[name]
-    for (slots, *counts), (slots_apart, *counts_apart) in zip(fused_caches, apart_caches, strict=True):
-        assert torch.equal(slots, slots_apart) and counts == counts_apart
+    assert_same_runs((fused_out, fused_totals, fused_caches), (apart_out, apart_totals, apart_caches))
 
 
 @pytest.mark.exactness
@@ -608,12 +614,7 @@ def test_fused_guess_changes_nothing(tiny_llama, monkeypatch) -> None:
     monkeypatch.setattr(TopUnits, "__call__", lambda *args, **kwargs: None)  # every selection apart
     apart_out, apart_totals, apart_caches = greedy_run(load(path, store, cached=0.35, **options), ids)
     assert fused_guesses == [False] * guesses
-    assert torch.equal(fused_out.sequences, apart_out.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(fused_out.logits, apart_out.logits, strict=True))
-    for name in ("hits", "misses", "evictions", "bytes_read", "used_bytes"):
-        assert fused_totals[name] == apart_totals[name]
-    for (slots, *counts), (slots_apart, *counts_apart) in zip(fused_caches, apart_caches, strict=True):
-        assert torch.equal(slots, slots_apart) and counts == counts_apart
+    assert_same_runs((fused_out, fused_totals, fused_caches), (apart_out, apart_totals, apart_caches))
 
 
 @pytest.mark.parametrize(
