@@ -24,7 +24,7 @@ from .methods import METHODS
 
 QUANT_METHOD = "flashlm"
 THRESHOLDS = ("token", "layer", "global")
-CACHE_SPLITS = ("read-cost", "size", "profile")
+CACHE_SPLITS = ("read-cost", "size", "profile", "in-order")
 PERSISTED_OPTIONS = (
     "method",
     "density",
@@ -130,9 +130,11 @@ class FlashConfig(QuantizationConfigMixin):
             fills first the caches whose misses cost the disk most bytes per unit byte (small units
             under-fill a 4 KiB page), `"size"` shares in proportion to each cache's full size,
             `"profile"` gives the slots to the units a unit profile (`flashlm profile`) says save the
-            most disk bytes, across kinds and layers. `None` (default): the method's choice,
-            `"profile"` for `predictor-gate` (whose gate rows are used several times as often as its
-            up_down rows), `"read-cost"` for the others.
+            most disk bytes, across kinds and layers, `"in-order"` fills one kind's caches whole
+            before the next kind's, in the method's kind order. `None` (default): the method's
+            choice, `"in-order"` for dense streaming (see `StreamingMLP`), `"profile"` for
+            `predictor-gate` (whose gate rows are used several times as often as its up_down rows),
+            `"read-cost"` for the others.
         hot_share: share of the cache's bytes pinned to the units the method needs most often,
             PowerInfer's hot set (its §6): read at load and never evicted, while the rest of each cache
             follows `policy`. The placement solver (`flashlm.cache.placement`) picks them across layers

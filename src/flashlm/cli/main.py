@@ -61,7 +61,8 @@ def _add_runtime_options(parser: argparse.ArgumentParser, *, method: bool = True
         choices=CACHE_SPLITS,
         help="how the cache bytes are shared between unit kinds (default: the method's; read-cost: "
         "the kinds whose misses cost the disk most per byte first; size: in proportion to each "
-        "kind's size; profile: by a unit profile's use of each unit)",
+        "kind's size; profile: by a unit profile's use of each unit; in-order: one kind whole after "
+        "another)",
     )
     parser.add_argument(
         "--hot-share",

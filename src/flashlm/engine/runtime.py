@@ -352,9 +352,7 @@ class FlashRuntime(Runtime):
             overhead_bytes=self._staging_bytes() + self._decode_buffer_bytes() + fitted_bytes,
             policy=self._policy_name,
             cache_units=config.policy != NO_CACHE,
-            read_cost=(
-                None if split == "size" else [row_files[key].read_amplification for key in self._cache_keys]
-            ),
+            read_cost=self._filling_order(split, row_files),
             unit_values=unit_values,
         )
         self.hot_set: Placement | None = None
@@ -699,6 +697,14 @@ class FlashRuntime(Runtime):
             for cache in self.caches.values()
         )
         return cache_bytes + self._staging_bytes() + self._decode_buffer_bytes() + self.fitted_bytes
+
+    def _filling_order(self, split: str, row_files: dict[tuple[int, str], RowFile]) -> list[float] | None:
+        """`split_budget`'s `read_cost` for `split`: the caches of the highest cost are filled first."""
+        if split == "size":
+            return None
+        if split == "in-order":
+            return [float(len(self.kinds) - self.kinds.index(kind)) for _, kind in self._cache_keys]
+        return [row_files[key].read_amplification for key in self._cache_keys]
 
     def _staging_bytes(self) -> int:
         """The staging buffers' bytes: each one's whole allocation (its storage), with the spare block

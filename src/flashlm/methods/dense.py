@@ -48,6 +48,11 @@ class StreamingMLP(DenseOnly, FlashMLP):
     """
 
     KINDS = ("gate", "up", "down")
+    # A dense cache holds a prefix of its units, so each kind's misses are one contiguous read, whose cost
+    # per byte does not depend on the row size; but each kind split between cache and staging costs two
+    # products and a concatenation instead of one product. Filled one kind after another, at most one
+    # kind per layer is split.
+    CACHE_SPLIT = "in-order"
 
     @classmethod
     def needs_unit_profile(cls, config: FlashConfig) -> bool:
@@ -88,7 +93,12 @@ class StreamingMLP(DenseOnly, FlashMLP):
 
     @classmethod
     def make_runtime(cls, store: Store, config: FlashConfig, fitted: Any) -> FlashRuntime:
-        return FlashRuntime(store, config, read_ahead=None if config.read_ahead is not False else ())
+        return FlashRuntime(
+            store,
+            config,
+            read_ahead=None if config.read_ahead is not False else (),
+            cache_split=cls.CACHE_SPLIT,
+        )
 
     @classmethod
     def build(

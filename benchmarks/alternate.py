@@ -1,0 +1,181 @@
+"""Variants of one configuration decoded in one process, in alternating blocks of tokens.
+
+On a shared, noisy host two runs of the same code can differ by a third; blocks alternated within
+one process (in the order A B .. B A, repeated) let the drift fall on every variant alike. Each
+variant is a set of `FlashConfig` options (`key=value`, comma-separated) over `--base`, or `ram` for
+plain transformers; `torch_threads=N` sets `torch.set_num_threads` for the variant's blocks. Each
+variant loads its own model and keeps its own generation state. Printed per block and
+summarized by the median: tokens/s (and against the first variant), and for flashlm variants the I/O
+wait, compute and MB read per token from `flashlm.stats`; the last column says whether the variant
+decoded the first variant's greedy tokens.
+
+    python benchmarks/alternate.py --model smollm2-135m --base memory_budget=50% \\
+        --variant cache_split=read-cost --variant cache_split=in-order
+    python benchmarks/alternate.py --model smollm2-135m --base memory_budget=50% \\
+        --variant ram,torch_threads=2 --variant ram,torch_threads=1 \\
+        --variant torch_threads=2 --variant torch_threads=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import flashlm
+from flashlm.data.models import model_path
+
+PROMPT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden screw press. Explain why this mattered."
+)
+THREADS = "torch_threads"
+
+
+def parse_value(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("true", "false", "none"):
+        return {"true": True, "false": False, "none": None}[lowered]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_options(text: str) -> dict[str, Any]:
+    options = {}
+    for item in filter(None, text.split(",")):
+        if item == "ram":
+            options["ram"] = True
+            continue
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{item!r} is not key=value (or ram)")
+        options[key] = parse_value(value)
+    return options
+
+
+class Variant:
+    """One configuration's model, generation state, thread count and measured blocks."""
+
+    def __init__(self, label: str, options: dict[str, Any]) -> None:
+        self.label = label
+        self.threads = options.pop(THREADS, None)
+        self.ram = options.pop("ram", False)
+        self.options = options
+        self.model = self.out = None
+        self.tokens: list[int] = []
+        self.blocks: list[dict[str, float]] = []
+
+    def load(self, path, ids: torch.Tensor) -> None:
+        if self.ram:
+            self.model = AutoModelForCausalLM.from_pretrained(path)
+        else:
+            config = flashlm.FlashConfig(**self.options)
+            self.model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
+        with torch.inference_mode():
+            self.out = self.model(input_ids=ids, use_cache=True)
+            for _ in range(3):  # warm-up: caches fill, the read-ahead settles
+                self.step()
+
+    def step(self) -> int:
+        token = self.out.logits[:, -1:].argmax(-1)
+        self.out = self.model(input_ids=token, past_key_values=self.out.past_key_values)
+        return int(token)
+
+    def decode_block(self, tokens: int, default_threads: int) -> dict[str, float]:
+        torch.set_num_threads(self.threads or default_threads)
+        if not self.ram:
+            flashlm.stats(self.model, reset=True)
+        with torch.inference_mode():
+            started = time.perf_counter()
+            self.tokens += [self.step() for _ in range(tokens)]
+            block = {"tok_s": tokens / (time.perf_counter() - started)}
+        if not self.ram:
+            totals = flashlm.stats(self.model).totals(decode_only=True)
+            block["io_ms"] = 1e3 * totals["io_s_per_step"]
+            block["compute_ms"] = 1e3 * totals["compute_s_per_step"]
+            block["mb"] = totals["bytes_read_per_step"] / 1e6
+        self.blocks.append(block)
+        return block
+
+    def median(self, key: str) -> float | None:
+        values = [block[key] for block in self.blocks if key in block]
+        return statistics.median(values) if values else None
+
+
+def block_order(count: int, rounds: int) -> list[int]:
+    """Variant indices in the order A B .. B A, `rounds` times over."""
+    order: list[int] = []
+    for round_index in range(rounds):
+        order += list(range(count)) if round_index % 2 == 0 else list(range(count))[::-1]
+    return order
+
+
+def table(variants: list[Variant]) -> str:
+    def cell(value: float | None, fmt: str) -> str:
+        return "—" if value is None else format(value, fmt)
+
+    first = variants[0]
+    lines = [
+        "| variant | tok/s per block | median tok/s | x first | I/O wait ms | compute ms | MB read "
+        "| tokens = first |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for variant in variants:
+        blocks = " / ".join(f"{block['tok_s']:.2f}" for block in variant.blocks)
+        tok_s = variant.median("tok_s")
+        lines.append(
+            f"| {variant.label} | {blocks} | {tok_s:.2f} | {tok_s / first.median('tok_s'):.2f} "
+            f"| {cell(variant.median('io_ms'), '.1f')} "
+            f"| {cell(variant.median('compute_ms'), '.1f')} | {cell(variant.median('mb'), '.1f')} "
+            f"| {'yes' if variant.tokens == first.tokens else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default="smollm2-135m", help="a bundled model's name or a checkpoint directory"
+    )
+    parser.add_argument("--base", default="", help="options every variant shares, key=value,...")
+    parser.add_argument("--variant", action="append", required=True, help="options of one variant (repeat)")
+    parser.add_argument("--tokens", type=int, default=16, help="decode steps per block")
+    parser.add_argument("--rounds", type=int, default=4, help="blocks per variant")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.tokens < 1 or args.rounds < 1 or len(args.variant) < 2:
+        parser.error("--tokens and --rounds must be positive, and --variant given at least twice")
+    try:
+        base = parse_options(args.base)
+        variants = [Variant(text, {**base, **parse_options(text)}) for text in args.variant]
+    except ValueError as error:
+        parser.error(str(error))
+    default_threads = torch.get_num_threads()
+    path = model_path(args.model)
+    ids = AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt").input_ids
+    for variant in variants:
+        variant.load(path, ids)
+    for index in block_order(len(variants), args.rounds):
+        variant = variants[index]
+        block = variant.decode_block(args.tokens, default_threads)
+        print(f"{variant.label}: " + ", ".join(f"{k} {v:.2f}" for k, v in block.items()), flush=True)
+    print(
+        f"\n{path.name}, base {args.base or '(none)'}, {os.cpu_count()} CPUs, blocks of {args.tokens} tokens "
+        f"(per block in the order they ran; ms and MB per token)\n"
+    )
+    print(table(variants))
+
+
+if __name__ == "__main__":
+    main()
