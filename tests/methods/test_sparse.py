@@ -374,8 +374,8 @@ def test_cache_split_between_kinds(split, tiny_llama) -> None:
 def test_dense_streaming_fills_one_kind_after_another(cached, read_cost_splits, tiny_llama) -> None:
     """Dense streaming's default split ("in-order") fills gate, then up, then down, so that at most one
     kind per layer is split between cache and staging; "read-cost", asked for, fills gate and up alike
-    first (the tiny model's down rows cost least per byte), splitting both below 2/3 of the units. Both
-    hold the same bytes and decode the same tokens as the dense model."""
+    first (the tiny model's down rows cost least per byte), so at the two smaller budgets both are split.
+    Both hold the same bytes and decode the same tokens as the dense model."""
     path, _, store = tiny_llama
     row_file = flashlm.Store.open(store).row_file
     costs = {kind: row_file(0, kind).read_amplification for kind in ("gate", "up", "down")}
