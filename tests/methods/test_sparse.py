@@ -20,6 +20,7 @@ import flashlm
 import flashlm.engine.runtime as runtime_module
 import flashlm.methods.sparse as sparse_module
 from flashlm.cache import NeuronCache
+from flashlm.engine.io_thread import IOThread
 from flashlm.errors import BudgetTooSmallError, ConfigError
 from flashlm.methods import CATSMLP, DIPMLP, SparseMLP, StreamingMLP, reads_ahead
 from flashlm.methods.calibration import Calibration
@@ -38,6 +39,7 @@ from flashlm.ops.select import TopUnits
 from flashlm.patching import streaming_mlps
 from flashlm.store import add_kinds
 from flashlm.store.format import dense_kinds
+from flashlm.store.reader import native_reader
 
 SPARSE_METHODS = ["dip", "glu", "gate", "up", "cats"]
 
@@ -549,6 +551,40 @@ def test_cache_updates_run_at_once_or_on_the_io_thread_alike(options, tiny_llama
     assert sum(evictions for *_, evictions in residents) > 0
     for (resident, *counts), (resident_now, *counts_now) in zip(residents, residents_now, strict=True):
         assert torch.equal(resident, resident_now) and counts == counts_now
+
+
+@pytest.mark.skipif(native_reader() is None, reason="the reader's C pool needs a C compiler")
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"method": "dip", "density": 0.6, "cache_aware": 0.2}, {"method": "up", "density": 0.6}],
+    ids=["dense", "dip-ca", "up"],
+)
+def test_reads_go_to_the_c_pool_and_read_what_the_io_thread_reads(options, tiny_llama, monkeypatch) -> None:
+    """With no cache update queued, the decode thread hands every read to the reader's C pool itself: no
+    task reaches the I/O thread. Which of the two reads changes nothing the model computes, reads or
+    counts (the I/O thread reads where the pool is turned off here, as where no compiler is found)."""
+    path, _, store = tiny_llama
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(15))
+    runs = {}
+    for pool in (True, False):
+        if not pool:
+            monkeypatch.setattr(runtime_module.FlashRuntime, "_submit_to_pool", lambda *args, **kwargs: None)
+        io_tasks = count_calls(monkeypatch, IOThread, "submit")
+        model = load(path, store, cached=0.35, **options)
+        with torch.no_grad():
+            logits = model(ids).logits
+        tokens = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        totals = flashlm.stats(model).totals()
+        runs[pool] = (logits, tokens, totals, io_tasks["calls"])
+    (logits, tokens, totals, pool_tasks), (logits_io, tokens_io, totals_io, io_thread_tasks) = (
+        runs[True],
+        runs[False],
+    )
+    assert pool_tasks == 0 and io_thread_tasks > 0
+    assert totals["bytes_read"] > 0
+    assert torch.equal(logits, logits_io) and torch.equal(tokens, tokens_io)
+    for name in ("hits", "misses", "evictions", "bytes_read", "reads"):
+        assert totals[name] == totals_io[name]
 
 
 def count_calls(monkeypatch, cls, name: str) -> dict[str, int]:

@@ -463,3 +463,62 @@ def test_read_in_place_rejects_what_it_cannot_fill(direct_dir: Path, in_place_pa
             reader.read_in_place("m", torch.arange(5, 10), row_matrix(8, 64, torch.bfloat16))
         with pytest.raises(ValueError, match="page-aligned"):
             reader.read_in_place("m", torch.arange(3), row_matrix(11, 64, torch.bfloat16)[1:])
+
+
+@needs_native_reader
+@pytest.mark.parametrize("direct", [True, False])
+def test_submitted_reads_run_in_the_background_and_land_in_place(direct_dir: Path, direct: bool) -> None:
+    """Reads of two files into two matrices, several outstanding at once (`submit_in_place`), each land
+    their rows, are counted once when waited for, and cost what the same reads cost one at a time."""
+    f, data = make_file(direct_dir, 400, 1536, name="a.bin")
+    g, other = make_file(direct_dir, 300, 576, seed=1, name="b.bin")
+    reads = [("a", random_ids(400, 60, seed), f) for seed in range(3)] + [("b", random_ids(300, 90, 9), g)]
+    with StoreReader({"a": f, "b": g}, direct_io=direct, threads=3, chunk_bytes=16384) as reader:
+        expected = row_matrix(400, 1536, torch.bfloat16), row_matrix(300, 576, torch.bfloat16)
+        for key, ids, _ in reads:
+            reader.read_in_place(key, ids, expected[key == "b"])
+        one_at_a_time = reader.bytes_read, reader.reads_issued
+        reader.bytes_read = reader.reads_issued = 0
+        matrices = [row_matrix(400, 1536, torch.bfloat16) for _ in range(3)] + [
+            row_matrix(300, 576, torch.bfloat16)
+        ]
+        pending = [
+            reader.submit_in_place(key, ids, m) for (key, ids, _), m in zip(reads, matrices, strict=True)
+        ]
+        assert reader.bytes_read == 0  # counted when waited for
+        done = [p.result() for p in reversed(pending)][::-1]
+        assert [p.result() for p in pending] == done  # waiting again returns the same
+        assert (reader.bytes_read, reader.reads_issued) == one_at_a_time
+        assert sum(d.bytes_read for d in done) == one_at_a_time[0] and all(d.seconds >= 0 for d in done)
+    for (key, ids, _), matrix in zip(reads, matrices, strict=True):
+        assert torch.equal(matrix[ids], (other if key == "b" else data)[ids])
+
+
+@needs_native_reader
+def test_submitted_read_errors(direct_dir: Path) -> None:
+    """Bad ids fail at submission, having read nothing; a file cut short fails when the read is waited
+    for (every time); closing the reader waits for reads nobody waited for."""
+    f, data = make_file(direct_dir, 1000, 576)
+    matrix = row_matrix(1000, 576, torch.bfloat16)
+    with StoreReader({0: f}, direct_io=True) as reader:
+        with pytest.raises(ValueError, match="sorted"):
+            reader.submit_in_place(0, torch.tensor([5, 2]), matrix)
+        with pytest.raises(ValueError, match=r"lie in \[0, 1000\)"):
+            reader.submit_in_place(0, torch.tensor([2, 1000]), matrix)
+        assert reader.reads_issued == 0
+        os.truncate(f.path, f.data_offset + 500 * f.row_bytes + 10)
+        cut = reader.submit_in_place(0, torch.tensor([1, 700]), matrix)
+        for _ in range(2):
+            with pytest.raises(StoreCorruptError, match="truncated: end of file at byte"):
+                cut.result()
+        unwaited = reader.submit_in_place(0, torch.arange(100, 400), matrix)
+    assert unwaited.result().bytes_read > 0
+    assert torch.equal(matrix[100:400], data[100:400])
+
+
+def test_no_background_reads_without_the_c_library(direct_dir: Path, monkeypatch) -> None:
+    monkeypatch.setattr(reader_mod, "native_reader", lambda: None)
+    f, _ = make_file(direct_dir, 10, 64)
+    with StoreReader({"m": f}, direct_io=False) as reader:
+        assert reader.submit_in_place("m", torch.arange(3), row_matrix(10, 64, torch.bfloat16)) is None
+        assert reader.reads_issued == 0

@@ -1,4 +1,5 @@
-"""`IOThread`: the one background thread a runtime runs its reads and cache updates on.
+"""`IOThread`: the one background Python thread of a runtime: its large cache updates, and its reads where
+the reader's C pool cannot take them (no C compiler, or behind a queued update).
 
 A `ThreadPoolExecutor(1)` does the same, but its `submit` costs the decode thread ~13 us (locks,
 thread-count bookkeeping) where a future and a queue cost ~6; a decode step of a small model submits

@@ -1,11 +1,11 @@
 """The runtimes: what the flashlm modules of one model share.
 
-`Runtime` is the part every method has — the store, the config, the budget, the reader and the one
-background I/O thread it runs on, the stats recorder — and the lifecycle `flashlm.stats`, `unpatch`
-and the eval harness drive (`drain`, `snapshot`, `reset_stats`, `close`). Methods read in one of
-two granularities: `FlashRuntime` streams units (neuron rows and columns) through per-layer caches
-(dense streaming and the sparse methods); Endor's runtime (`methods/endor.py`) reads whole compressed
-layers.
+`Runtime` is the part every method has — the store, the config, the budget, the reader (whose C pool
+reads in the background), one background I/O thread (for what the pool cannot take), the stats
+recorder — and the lifecycle `flashlm.stats`, `unpatch` and the eval harness drive (`drain`,
+`snapshot`, `reset_stats`, `close`). Methods read in one of two granularities: `FlashRuntime`
+streams units (neuron rows and columns) through per-layer caches (dense streaming and the sparse
+methods); Endor's runtime (`methods/endor.py`) reads whole compressed layers.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ..ops.select import TopUnits
 from ..store import RowFile, Store, StoreReader
 from ..store.disk import DiskProfile, disk_profile
 from ..store.format import dense_kinds
-from ..store.reader import pin_for_gpu, row_matrix
+from ..store.reader import PendingRead, pin_for_gpu, row_matrix
 from .io_thread import IOThread
 from .stats import FlashStats, StatsRecorder
 from .trace import TraceRecorder
@@ -113,6 +113,38 @@ class Fetch:
         return dataclasses.replace(self, ids=self.ids.to(device), matrix=matrix)
 
 
+class PoolFetch:
+    """The `Future[Fetch]` of reads the reader's C pool serves (`StoreReader.submit_in_place`), into one
+    staging matrix: `result()` waits for them with the GIL released. No Python thread runs on the reads'
+    behalf, so none takes the GIL from the decode thread or delays the result once the bytes are in."""
+
+    def __init__(self, ids: torch.Tensor, matrix: torch.Tensor, reads: list[PendingRead]) -> None:
+        self.ids, self.matrix, self.reads = ids, matrix, reads
+        self._fetch: Fetch | None = None
+
+    def result(self) -> Fetch:
+        if self._fetch is None:
+            done = [read.result() for read in self.reads]
+            self._fetch = Fetch(
+                self.ids,
+                self.matrix,
+                sum(d.bytes_read for d in done),
+                sum(d.reads for d in done),
+                sum(d.seconds for d in done),
+            )
+        return self._fetch
+
+
+class PoolLayerFetch:
+    """The `Future[LayerFetch]` of a layer's reads on the C pool, one `PoolFetch` per kind."""
+
+    def __init__(self, fetches: dict[str, PoolFetch]) -> None:
+        self.fetches = fetches
+
+    def result(self) -> LayerFetch:
+        return {kind: fetch.result() for kind, fetch in self.fetches.items()}
+
+
 WHOLE_COPY_BYTES = 4 * 2**20
 """Scattered rows of a staging matrix this small cross to another device with the whole of it: on an
 H100, 1.8 MB crossed in one copy in 0.05 ms, and 1-75% of its rows, scattered, in 0.07-0.14 ms."""
@@ -158,6 +190,10 @@ def copy_rows(
 
 LayerFetch = dict[str, Fetch]
 """A layer's fetches, by kind."""
+PendingFetch = Future[Fetch] | PoolFetch
+"""A read under way, on the reader's C pool or the I/O thread: `result()` waits for its `Fetch`."""
+PendingLayerFetch = Future[LayerFetch] | PoolLayerFetch
+"""The same for a layer's reads of several kinds."""
 
 
 @dataclass(frozen=True)
@@ -169,7 +205,7 @@ class Guess:
     kind: str
     buffer: int
     ids: torch.Tensor
-    pending: Future[Fetch]
+    pending: PendingFetch
     selected: torch.Tensor | None = None
     """Every unit the guess selected, cached or not, as a bool mask (`[1, units]`), where its selection ran
     fused (`FlashRuntime.guess_units`): the guessed layer's own selection counts them as resident. A
@@ -380,7 +416,7 @@ class FlashRuntime(Runtime):
             for buffer in range(2)
         }
         """The same for one kind (`submit` of no units)."""
-        self._pending: Future[LayerFetch] | None = None
+        self._pending: PendingLayerFetch | None = None
         self._pending_for: tuple[int, int, tuple[str, ...]] | None = None
         """(layer, buffer, kinds) of the read `_pending` is doing."""
         self._updates: dict[tuple[int, str], Future[None]] = {}
@@ -528,8 +564,9 @@ class FlashRuntime(Runtime):
     def update_caches(self, layer: int, kinds: tuple[str, ...], updates: list[CacheUpdate]) -> None:
         """Run `layer`'s cache `updates` (one per kind of `kinds`: admission and eviction, row copies that
         grow with the misses) now, or, when they copy at least `QUEUED_UPDATE_MIN_BYTES`, on the I/O
-        thread, off the decode's critical path, as one task. That queue is first in, first out, so a
-        queued update runs before any later read that could reuse the staging rows it copies from;
+        thread, off the decode's critical path, as one task. That queue is first in, first out, and no
+        read goes to the reader's C pool while an update is queued (`_submit_to_pool`), so a queued
+        update runs before any later read that could reuse the staging rows it copies from;
         `settle` waits for it before any of those caches is read again. A queued update records its
         evictions itself (a forward counts from `FlashMLP.settled_counters`, so not twice)."""
         if sum(update.copy_bytes for update in updates) < QUEUED_UPDATE_MIN_BYTES:
@@ -566,7 +603,7 @@ class FlashRuntime(Runtime):
 
     def read_layer(
         self, layer: int, kinds: tuple[str, ...] | None = None, *, ahead: bool = True
-    ) -> Future[LayerFetch]:
+    ) -> PendingLayerFetch:
         """Every uncached unit of `layer`'s `kinds` (default: the `read_ahead` kinds): the read started
         a layer ahead when there is one (completed with any kind it lacks), else one started now. Then,
         with `ahead`, the same kinds of the next layer start reading, into the other staging buffers
@@ -579,8 +616,7 @@ class FlashRuntime(Runtime):
             missing = () if kinds == key[2] else tuple(kind for kind in kinds if kind not in key[2])
             if missing:
                 plan = {kind: self.uncached(layer, kind) for kind in missing}
-                done = pending
-                pending = self._io.submit(lambda: {**done.result(), **self._read_kinds(layer, plan, buffer)})
+                pending = self._read_more(pending, layer, plan, buffer)
         else:
             if pending is not None:
                 pending.result()
@@ -592,7 +628,17 @@ class FlashRuntime(Runtime):
             self._pending_for = (following, 1 - buffer, kinds)
         return pending
 
-    def _submit_layer(self, layer: int, buffer: int, kinds: tuple[str, ...]) -> Future[LayerFetch]:
+    def _read_more(
+        self, started: PendingLayerFetch, layer: int, plan: dict[str, torch.Tensor], buffer: int
+    ) -> PendingLayerFetch:
+        """`started`, a read of some of `layer`'s kinds, completed with the units `plan[kind]` of others: on
+        the C pool where `started` runs there too, else on the I/O thread after it."""
+        more = self._submit_to_pool(layer, plan, buffer) if isinstance(started, PoolLayerFetch) else None
+        if more is not None:
+            return PoolLayerFetch({**started.fetches, **more.fetches})
+        return self._io.submit(lambda: {**started.result(), **self._read_kinds(layer, plan, buffer)})
+
+    def _submit_layer(self, layer: int, buffer: int, kinds: tuple[str, ...]) -> PendingLayerFetch:
         """Start reading every uncached unit of `layer`'s `kinds` into staging buffer `buffer`. Which ones
         is decided here, on the decode thread (a C lookup of microseconds): on the I/O thread the same
         Python waited for the GIL while the decode thread ran, and took it from it in turn."""
@@ -603,7 +649,33 @@ class FlashRuntime(Runtime):
         plan = {kind: self.uncached(layer, kind) for kind in kinds}
         if not any(ids.numel() for ids in plan.values()):
             return self._nothing[(buffer, kinds)]
-        return self._io.submit(self._read_kinds, layer, plan, buffer)
+        on_pool = self._submit_to_pool(layer, plan, buffer)
+        return on_pool if on_pool is not None else self._io.submit(self._read_kinds, layer, plan, buffer)
+
+    def _submit_to_pool(
+        self, layer: int, plan: dict[str, torch.Tensor], buffer: int, after: Guess | None = None
+    ) -> PoolLayerFetch | None:
+        """Start reading units `plan[kind]` of `layer` into staging buffer `buffer` on the reader's C pool,
+        with no Python thread on the way (`after`: the guess whose read of the same kind this read
+        completes). None, with nothing started, where the pool cannot take them: no C library, or a cache
+        update still queued on the I/O thread, which must copy its rows out of a staging buffer before
+        any later read may reuse it (the I/O thread's queue orders the two; the pool would not)."""
+        if any(not update.done() for update in self._updates.values()):
+            return None
+        if after is not None and not isinstance(after.pending, PoolFetch):
+            return None
+        fetches = {}
+        for kind, ids in plan.items():
+            staging = self.staging[kind][buffer]
+            ids = ids.cpu()
+            read = self.reader.submit_in_place((layer, kind), ids, staging)
+            if read is None:
+                return None  # no C library: nothing was submitted (the first kind's call says so)
+            if after is not None:
+                fetches[kind] = PoolFetch(torch.cat((after.ids, ids)), staging, [*after.pending.reads, read])
+            else:
+                fetches[kind] = PoolFetch(ids, staging, [read])
+        return PoolLayerFetch(fetches)
 
     def _empty_fetch(self, kind: str, buffer: int) -> Fetch:
         return Fetch(self.unit_ids[:0], self.staging[kind][buffer], 0, 0, 0.0)
@@ -617,11 +689,15 @@ class FlashRuntime(Runtime):
     def _read_kinds(self, layer: int, plan: dict[str, torch.Tensor], buffer: int) -> LayerFetch:
         return {kind: self.read(layer, kind, ids, buffer) for kind, ids in plan.items()}
 
-    def submit(self, layer: int, kind: str, ids: torch.Tensor, buffer: int = 0) -> Future[Fetch]:
-        """`read` on the I/O thread, or, with nothing to read, a finished one without the thread hop."""
-        if ids.numel():
-            return self._io.submit(self.read, layer, kind, ids, buffer)
-        return self._nothing_of_kind[(kind, buffer)]
+    def submit(self, layer: int, kind: str, ids: torch.Tensor, buffer: int = 0) -> PendingFetch:
+        """`read` in the background: on the reader's C pool (`_submit_to_pool`), else on the I/O thread;
+        with nothing to read, a finished one without either."""
+        if not ids.numel():
+            return self._nothing_of_kind[(kind, buffer)]
+        on_pool = self._submit_to_pool(layer, {kind: ids}, buffer)
+        if on_pool is not None:
+            return on_pool.fetches[kind]
+        return self._io.submit(self.read, layer, kind, ids, buffer)
 
     def guess(self, layer: int, kind: str, ids: torch.Tensor, buffer: int) -> None:
         """Start reading the uncached ones of units `ids` of `layer`'s `kind`, which its forward will
@@ -651,7 +727,7 @@ class FlashRuntime(Runtime):
             self.stats.record(guess.layer, bytes_read=wasted.bytes_read, reads=wasted.reads)
         return None
 
-    def submit_after(self, guess: Guess, miss_ids: torch.Tensor) -> Future[Fetch]:
+    def submit_after(self, guess: Guess, miss_ids: torch.Tensor) -> PendingFetch:
         """The read of a layer's misses `miss_ids` whose guess was `guess`: what the guess did not read
         lands beside it in the same staging buffer. The fetch covers the guessed and the further ids
         (the guessed ones the layer did not select get zero coefficients) and counts both reads. With no
@@ -660,6 +736,14 @@ class FlashRuntime(Runtime):
         if miss_ids.shape[0] == 0:
             return guess.pending
         miss_ids = miss_ids.cpu()
+        if isinstance(guess.pending, PoolFetch):
+            # Submitted now, it is read after the guess and before any later guess.
+            staged = torch.zeros(guess.pending.matrix.shape[0], dtype=torch.bool)
+            staged[guess.ids] = True
+            further = miss_ids[~staged[miss_ids]]
+            on_pool = self._submit_to_pool(guess.layer, {guess.kind: further}, guess.buffer, after=guess)
+            if on_pool is not None:
+                return on_pool.fetches[guess.kind]
 
         def complete() -> Fetch:
             guessed = guess.pending.result()

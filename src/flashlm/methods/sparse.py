@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass
 from time import perf_counter
 from typing import TYPE_CHECKING, ClassVar
@@ -69,7 +68,7 @@ from .selection import (
 
 if TYPE_CHECKING:
     from ..config import FlashConfig
-    from ..engine.runtime import Fetch, LayerFetch
+    from ..engine.runtime import Fetch, PendingFetch, PendingLayerFetch
     from ..store import Store
 
 logger = logging.getLogger(__name__)
@@ -92,7 +91,7 @@ class _Parts:
         self,
         cached_rows: torch.Tensor,
         cached_ids: torch.Tensor,
-        pending: Future,
+        pending: PendingFetch | PendingLayerFetch,
         kind: str,
         miss_ids: torch.Tensor,
         times: StageTimes,
@@ -397,7 +396,7 @@ class SparseMLP(Selection, FlashMLP):
         values: torch.Tensor,
         times: StageTimes,
         sequential: bool,
-        early: Future[LayerFetch] | None = None,
+        early: PendingLayerFetch | None = None,
     ):
         """Select (`select(values, residency)`), look up and read one stage's units (`early`: a read of
         every uncached unit of the layer's kinds, already submitted). A decode step's top-k selection
@@ -435,7 +434,7 @@ class SparseMLP(Selection, FlashMLP):
             miss_ids = cache.find_misses(ids)
             looked_up = perf_counter()
         if early is not None:
-            pending: Future[LayerFetch] | Future[Fetch] = early  # every uncached unit, read ahead
+            pending: PendingLayerFetch | PendingFetch = early  # every uncached unit, read ahead
         elif kind in runtime.read_ahead:
             # Every uncached unit, needed or not: the unneeded ones get zero coefficients.
             pending = runtime.read_layer(layer)

@@ -8,34 +8,42 @@
  *   whose widened extents lie at most `merge_gap` bytes apart join one run; runs are cut into requests
  *   of at most `chunk_bytes`; byte b of the file lands at byte b - data_offset of `base`.
  *
- * A pool of threads made once per reader (`flashlm_reader_new`) serves the requests of one call at a
- * time, each thread claiming the next request (the caller's thread works too), so a thread the
- * scheduler pauses delays only its own request. ctypes releases the GIL for the call.
+ * A pool of threads made once per reader (`flashlm_reader_new`) serves the jobs in the order they were
+ * submitted (`flashlm_reader_submit`, which returns at once), each thread claiming the next request, so
+ * a thread the scheduler pauses delays only its own request; `flashlm_reader_wait` waits for a job.
+ * ctypes releases the GIL for each call, so a Python thread that submits and later waits runs no
+ * Python in between on the reads' behalf.
  */
 #include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef struct {
     int64_t offset, length, needed;
 } Request;
 
+/* One call's requests: claimed by the workers in order, done when the last one finishes. */
+typedef struct Job {
+    struct Job *next_job; /* the next job in the pool's queue */
+    int fd;
+    Request *requests;
+    int64_t n_requests, claimed, finished, alignment, data_offset;
+    char *base;
+    int64_t bytes, calls, eof_at, error;
+    struct timespec started, completed; /* the first request's claim, the last one's end */
+    int done;
+} Job;
+
 typedef struct {
     pthread_mutex_t lock;
     pthread_cond_t wake, done;
     pthread_t *threads;
-    int64_t n_threads; /* workers besides the calling thread */
-    uint64_t generation;
+    int64_t n_threads;
     int stop;
-    /* the call being served */
-    int fd;
-    const Request *requests;
-    int64_t n_requests, next, alignment, data_offset;
-    char *base;
-    int64_t bytes, calls, eof_at, error;
-    int64_t busy; /* workers still serving the call */
+    Job *head, *tail; /* jobs with requests not yet claimed, first in, first out */
 } Pool;
 
 enum { PLAN_UNSORTED = -1, PLAN_OUT_OF_RANGE = -2, NO_MEMORY = -3 };
@@ -74,52 +82,55 @@ static int64_t max_requests(int64_t n, int64_t rows, int64_t row_bytes, int64_t 
     return 3 * n + rows * row_bytes / chunk_bytes + 2;
 }
 
-/* Serve requests until none is left; totals and errors go into the pool under its lock. */
-static void serve(Pool *p) {
-    int64_t bytes = 0, calls = 0, eof_at = -1, error = 0;
-    for (;;) {
-        int64_t i = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED);
-        if (i >= p->n_requests) break;
-        const Request *r = &p->requests[i];
-        char *to = p->base + (r->offset - p->data_offset);
-        int64_t got = 0;
-        while (got < r->length) {
-            ssize_t n = pread(p->fd, to + got, (size_t)(r->length - got), r->offset + got);
-            if (n < 0) {
-                if (errno == EINTR) continue;
-                error = errno;
-                break;
-            }
-            calls++;
-            bytes += n;
-            got += n;
-            if (got >= r->length || got >= r->needed) break; /* complete, or only the aligned tail is past EOF */
-            if (n == 0 || (p->alignment > 1 && got % p->alignment)) {
-                eof_at = r->offset + got;
-                break;
-            }
+/* Read one request of `job` into its place; the totals go into `out` (bytes, calls, eof_at, error). */
+static void serve(const Job *job, const Request *r, int64_t *out) {
+    char *to = job->base + (r->offset - job->data_offset);
+    int64_t got = 0;
+    while (got < r->length) {
+        ssize_t n = pread(job->fd, to + got, (size_t)(r->length - got), r->offset + got);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            out[3] = errno;
+            break;
+        }
+        out[1]++;
+        out[0] += n;
+        got += n;
+        if (got >= r->length || got >= r->needed) break; /* complete, or only the aligned tail is past EOF */
+        if (n == 0 || (job->alignment > 1 && got % job->alignment)) {
+            out[2] = r->offset + got;
+            break;
         }
     }
-    pthread_mutex_lock(&p->lock);
-    p->bytes += bytes;
-    p->calls += calls;
-    if (eof_at >= 0 && (p->eof_at < 0 || eof_at < p->eof_at)) p->eof_at = eof_at;
-    if (error && !p->error) p->error = error;
-    pthread_mutex_unlock(&p->lock);
 }
 
+/* Claim the next request of the oldest job, read it, record it; sleep while there is none. */
 static void *worker(void *arg) {
     Pool *p = arg;
-    uint64_t seen = 0;
     pthread_mutex_lock(&p->lock);
     for (;;) {
-        while (!p->stop && p->generation == seen) pthread_cond_wait(&p->wake, &p->lock);
-        if (p->stop) break;
-        seen = p->generation;
+        while (!p->stop && p->head == NULL) pthread_cond_wait(&p->wake, &p->lock);
+        Job *job = p->head;
+        if (job == NULL) break; /* stopping, and nothing is left to claim */
+        if (job->claimed == 0) clock_gettime(CLOCK_MONOTONIC, &job->started);
+        const Request *r = &job->requests[job->claimed++];
+        if (job->claimed == job->n_requests) {
+            p->head = job->next_job;
+            if (p->head == NULL) p->tail = NULL;
+        }
         pthread_mutex_unlock(&p->lock);
-        serve(p);
+        int64_t out[4] = {0, 0, -1, 0};
+        serve(job, r, out);
         pthread_mutex_lock(&p->lock);
-        if (--p->busy == 0) pthread_cond_signal(&p->done);
+        job->bytes += out[0];
+        job->calls += out[1];
+        if (out[2] >= 0 && (job->eof_at < 0 || out[2] < job->eof_at)) job->eof_at = out[2];
+        if (out[3] && !job->error) job->error = out[3];
+        if (++job->finished == job->n_requests) {
+            clock_gettime(CLOCK_MONOTONIC, &job->completed);
+            job->done = 1;
+            pthread_cond_broadcast(&p->done);
+        }
     }
     pthread_mutex_unlock(&p->lock);
     return NULL;
@@ -139,19 +150,19 @@ void flashlm_reader_free(Pool *p) {
     free(p);
 }
 
-/* A pool of `threads` readers (the calling thread and threads - 1 workers); NULL if it cannot be made. */
+/* A pool of `threads` reading threads; NULL if it cannot be made. */
 Pool *flashlm_reader_new(int64_t threads) {
     Pool *p = calloc(1, sizeof(Pool));
     if (!p) return NULL;
     pthread_mutex_init(&p->lock, NULL);
     pthread_cond_init(&p->wake, NULL);
     pthread_cond_init(&p->done, NULL);
-    p->threads = calloc(threads > 1 ? threads - 1 : 1, sizeof(pthread_t));
+    p->threads = calloc(threads > 0 ? threads : 1, sizeof(pthread_t));
     if (!p->threads) {
         flashlm_reader_free(p);
         return NULL;
     }
-    for (int64_t t = 0; t + 1 < threads; t++) {
+    for (int64_t t = 0; t < threads; t++) {
         if (pthread_create(&p->threads[t], NULL, worker, p)) {
             flashlm_reader_free(p);
             return NULL;
@@ -161,47 +172,57 @@ Pool *flashlm_reader_new(int64_t threads) {
     return p;
 }
 
-/* Read the rows `ids` of the file open as `fd` (`rows` rows) into `base` in place. Returns 0 and sets
- * stats = {bytes read, read calls, offset of an early end of file or -1, errno or 0}, or a negative
- * plan error (PLAN_UNSORTED, PLAN_OUT_OF_RANGE, NO_MEMORY) having read nothing. */
-int64_t flashlm_read_rows(Pool *p, int64_t fd, const int64_t *ids, int64_t n, int64_t rows, int64_t row_bytes,
-                          int64_t data_offset, int64_t alignment, int64_t merge_gap, int64_t chunk_bytes,
-                          char *base, int64_t *stats) {
+/* Start reading the rows `ids` of the file open as `fd` (`rows` rows) into `base` in place, after the
+ * jobs submitted before; returns at once. Returns the job, for `flashlm_reader_wait` (which every job
+ * needs: it frees it), or NULL with `*status` set to a plan error (PLAN_UNSORTED, PLAN_OUT_OF_RANGE,
+ * NO_MEMORY), having read nothing. */
+Job *flashlm_reader_submit(Pool *p, int64_t fd, const int64_t *ids, int64_t n, int64_t rows, int64_t row_bytes,
+                           int64_t data_offset, int64_t alignment, int64_t merge_gap, int64_t chunk_bytes,
+                           char *base, int64_t *status) {
+    Job *job = calloc(1, sizeof(Job));
     Request *requests = malloc(max_requests(n, rows, row_bytes, chunk_bytes) * sizeof(Request));
-    if (!requests) return NO_MEMORY;
-    int64_t count = plan(ids, n, rows, row_bytes, data_offset, alignment, merge_gap, chunk_bytes, requests);
+    int64_t count = job && requests ? plan(ids, n, rows, row_bytes, data_offset, alignment, merge_gap, chunk_bytes,
+                                           requests)
+                                    : NO_MEMORY;
     if (count < 0) {
         free(requests);
-        return count;
+        free(job);
+        *status = count;
+        return NULL;
     }
+    *job = (Job){.fd = (int)fd, .requests = requests, .n_requests = count, .alignment = alignment,
+                 .data_offset = data_offset, .base = base, .eof_at = -1};
     pthread_mutex_lock(&p->lock);
-    p->fd = (int)fd;
-    p->requests = requests;
-    p->n_requests = count;
-    p->next = 0;
-    p->alignment = alignment;
-    p->data_offset = data_offset;
-    p->base = base;
-    p->bytes = p->calls = p->error = 0;
-    p->eof_at = -1;
-    int64_t helpers = count - 1 < p->n_threads ? count - 1 : p->n_threads;
-    if (helpers > 0) {
-        p->busy = p->n_threads;
-        p->generation++;
-        pthread_cond_broadcast(&p->wake);
+    if (count == 0) {
+        job->done = 1;
+    } else {
+        if (p->tail) p->tail->next_job = job;
+        else p->head = job;
+        p->tail = job;
+        /* wake as many threads as there are requests: on two cores every thread woken for nothing costs */
+        if (count >= p->n_threads) pthread_cond_broadcast(&p->wake);
+        else
+            for (int64_t i = 0; i < count; i++) pthread_cond_signal(&p->wake);
     }
     pthread_mutex_unlock(&p->lock);
-    serve(p);
+    *status = 0;
+    return job;
+}
+
+/* Wait for `job` (from `flashlm_reader_submit`) and free it. Sets stats = {bytes read, read calls, offset
+ * of an early end of file or -1, errno or 0, nanoseconds from its first request's start to its last one's end}. */
+void flashlm_reader_wait(Pool *p, Job *job, int64_t *stats) {
     pthread_mutex_lock(&p->lock);
-    if (helpers > 0)
-        while (p->busy) pthread_cond_wait(&p->done, &p->lock);
-    stats[0] = p->bytes;
-    stats[1] = p->calls;
-    stats[2] = p->eof_at;
-    stats[3] = p->error;
+    while (!job->done) pthread_cond_wait(&p->done, &p->lock);
     pthread_mutex_unlock(&p->lock);
-    free(requests);
-    return 0;
+    stats[0] = job->bytes;
+    stats[1] = job->calls;
+    stats[2] = job->eof_at;
+    stats[3] = job->error;
+    stats[4] = (job->completed.tv_sec - job->started.tv_sec) * 1000000000LL +
+               (job->completed.tv_nsec - job->started.tv_nsec);
+    free(job->requests);
+    free(job);
 }
 
 /* The plan alone, for tests: writes up to `capacity` requests as (offset, length, needed) triples and
