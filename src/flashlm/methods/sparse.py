@@ -413,7 +413,7 @@ class SparseMLP(Selection, FlashMLP):
         started = perf_counter()
         guess = runtime.take_guess(layer, kind) if kind == self.INPUT_KIND and self.guesses_ahead else None
         fused = None
-        gamma = topk.gamma if topk is not None and self._depends_on_cache() else 1.0
+        gamma = self._fused_gamma(topk)
         # With a guess, the selection counts the guessed units as resident: fused where it has their mask.
         guessed = None if guess is None else guess.selected
         if topk is not None and values.shape[0] == 1 and (guess is None or guessed is not None or gamma == 1):
@@ -474,7 +474,7 @@ class SparseMLP(Selection, FlashMLP):
         cache = runtime.caches[(following, self.INPUT_KIND)]
         topk, guess_units = self.input_topk(), runtime.guess_units.get(self.INPUT_KIND)
         if topk is not None and guess_units is not None:
-            gamma = topk.gamma if self._depends_on_cache() else 1.0
+            gamma = self._fused_gamma(topk)
             fused = guess_units(x, topk.k, cache.slot_of, gamma)
             if fused is not None:
                 mask, _, _, uncached = fused
@@ -533,6 +533,11 @@ class SparseMLP(Selection, FlashMLP):
 
     def _depends_on_cache(self) -> bool:
         return self.gamma < 1
+
+    def _fused_gamma(self, topk: TopK | None) -> float:
+        """The cache-aware weight a fused top-k selection (`TopUnits`) applies: 1.0 (none) unless the
+        selection depends on the cache."""
+        return topk.gamma if topk is not None and self._depends_on_cache() else 1.0
 
     def _residency(self, cache: NeuronCache) -> torch.Tensor | None:
         """The cache's residency mask, for cache-aware selection only (None otherwise: not computed)."""
