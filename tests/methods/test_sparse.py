@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build_tiny_model
+from conftest import build_tiny_model, tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
@@ -182,6 +182,20 @@ def tiny_llama(make_tiny_checkpoint, tmp_path):
     config = AutoModelForCausalLM.from_pretrained(path).config
     fake_calibration(store, config.hidden_size, config.intermediate_size, config.num_hidden_layers)
     return path, AutoModelForCausalLM.from_pretrained(path).eval(), store.path
+
+
+@pytest.fixture
+def four_layer_llama(tmp_path):
+    """(checkpoint dir, store path) of the tiny llama with four layers, enough for a layer's queued cache
+    update to still be waiting while the layers after it read into the staging buffers it copies from."""
+    config = tiny_config("llama")
+    config.num_hidden_layers = 4
+    torch.manual_seed(0)
+    path = tmp_path / "four-layers"
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(path)
+    store = flashlm.convert(path, tmp_path / "four-layers-store", progress=False)
+    fake_calibration(store, config.hidden_size, config.intermediate_size, config.num_hidden_layers)
+    return path, store.path
 
 
 def load(path, store, cached: float = 0.5, **options) -> torch.nn.Module:
@@ -506,12 +520,13 @@ def test_guessed_reads_are_counted_and_change_plain_dip_not_at_all(gamma, tiny_l
     [{"method": "dip", "density": 0.6, "cache_aware": 0.2}, {"method": "up", "density": 0.6}],
     ids=["dip-ca", "up"],
 )
-def test_cache_updates_run_at_once_or_on_the_io_thread_alike(options, tiny_llama, monkeypatch) -> None:
+def test_cache_updates_run_at_once_or_on_the_io_thread_alike(options, four_layer_llama, monkeypatch) -> None:
     """A layer's cache updates run on the decode thread when they copy less than
     `QUEUED_UPDATE_MIN_BYTES`, else on the I/O thread: where they run changes nothing the model computes,
     reads, keeps or counts. Queued ones run late here (after a sleep), when the layers after theirs have
-    selected their units in the buffers the layers share (`TopUnits`)."""
-    path, _, store = tiny_llama
+    selected their units in the buffers the layers share (`TopUnits`) and read (or would have read, but
+    for the queue) into the staging buffers the layers share."""
+    path, store = four_layer_llama
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(14))
     update = NeuronCache.update
     runs = {}
@@ -534,7 +549,10 @@ def test_cache_updates_run_at_once_or_on_the_io_thread_alike(options, tiny_llama
         modules[0].runtime.drain()
         totals = flashlm.stats(model).totals()
         caches = [cache for module in modules for cache in module.caches()]
-        residents = [(cache.slot_of >= 0, cache.hits, cache.misses, cache.evictions) for cache in caches]
+        residents = [
+            (cache.slot_of >= 0, cache.rows[: cache.size].clone(), cache.hits, cache.misses, cache.evictions)
+            for cache in caches
+        ]
         runs[threshold] = (logits, tokens, totals, residents, threads)
     (
         (logits, tokens, totals, residents, queued_on),
@@ -549,8 +567,11 @@ def test_cache_updates_run_at_once_or_on_the_io_thread_alike(options, tiny_llama
     for name in ("hits", "misses", "evictions", "bytes_read"):
         assert totals[name] == totals_now[name]
     assert sum(evictions for *_, evictions in residents) > 0
-    for (resident, *counts), (resident_now, *counts_now) in zip(residents, residents_now, strict=True):
+    for (resident, rows, *counts), (resident_now, rows_now, *counts_now) in zip(
+        residents, residents_now, strict=True
+    ):
         assert torch.equal(resident, resident_now) and counts == counts_now
+        assert torch.equal(rows, rows_now)  # the rows a queued update copied are the ones its layer read
 
 
 @pytest.mark.skipif(native_reader() is None, reason="the reader's C pool needs a C compiler")
