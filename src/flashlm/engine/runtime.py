@@ -667,14 +667,16 @@ class FlashRuntime(Runtime):
         fetches = {}
         for kind, ids in plan.items():
             staging = self.staging[kind][buffer]
-            ids = ids.cpu()
-            read = self.reader.submit_in_place((layer, kind), ids, staging)
-            if read is None:
-                return None  # no C library: nothing was submitted (the first kind's call says so)
+            ids = ids if ids.is_cpu else ids.cpu()  # a no-op `.cpu()` still costs an operator
+            reads = []
+            if ids.numel():
+                read = self.reader.submit_in_place((layer, kind), ids, staging)
+                if read is None:
+                    return None  # no C pool: nothing was submitted (every call answers the same)
+                reads.append(read)
             if after is not None:
-                fetches[kind] = PoolFetch(torch.cat((after.ids, ids)), staging, [*after.pending.reads, read])
-            else:
-                fetches[kind] = PoolFetch(ids, staging, [read])
+                ids, reads = torch.cat((after.ids, ids)), [*after.pending.reads, *reads]
+            fetches[kind] = PoolFetch(ids, staging, reads)
         return PoolLayerFetch(fetches)
 
     def _empty_fetch(self, kind: str, buffer: int) -> Fetch:
