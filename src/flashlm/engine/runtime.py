@@ -737,27 +737,23 @@ class FlashRuntime(Runtime):
         finished read when there is nothing to read)."""
         if miss_ids.shape[0] == 0:
             return guess.pending
-        miss_ids = miss_ids.cpu()
+        miss_ids = miss_ids if miss_ids.is_cpu else miss_ids.cpu()
+        further = miss_ids[torch.isin(miss_ids, guess.ids, invert=True)]
         if isinstance(guess.pending, PoolFetch):
             # Submitted now, it is read after the guess and before any later guess.
-            staged = torch.zeros(guess.pending.matrix.shape[0], dtype=torch.bool)
-            staged[guess.ids] = True
-            further = miss_ids[~staged[miss_ids]]
             on_pool = self._submit_to_pool(guess.layer, {guess.kind: further}, guess.buffer, after=guess)
             if on_pool is not None:
                 return on_pool.fetches[guess.kind]
 
         def complete() -> Fetch:
             guessed = guess.pending.result()
-            staged = torch.zeros(guessed.matrix.shape[0], dtype=torch.bool)
-            staged[guess.ids] = True
-            further = self.read(guess.layer, guess.kind, miss_ids[~staged[miss_ids]], guess.buffer)
+            read = self.read(guess.layer, guess.kind, further, guess.buffer)
             return Fetch(
-                torch.cat((guess.ids, further.ids)),
+                torch.cat((guess.ids, read.ids)),
                 guessed.matrix,
-                guessed.bytes_read + further.bytes_read,
-                guessed.reads + further.reads,
-                guessed.busy_s + further.busy_s,
+                guessed.bytes_read + read.bytes_read,
+                guessed.reads + read.reads,
+                guessed.busy_s + read.busy_s,
             )
 
         return self._io.submit(complete)
