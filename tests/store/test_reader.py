@@ -6,6 +6,8 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -522,3 +524,25 @@ def test_no_background_reads_without_the_c_library(direct_dir: Path, monkeypatch
     with StoreReader({"m": f}, direct_io=False) as reader:
         assert reader.submit_in_place("m", torch.arange(3), row_matrix(10, 64, torch.bfloat16)) is None
         assert reader.reads_issued == 0
+
+
+@needs_native_reader
+def test_reads_queued_without_waking_the_threads_still_run(direct_dir: Path) -> None:
+    """Reads submitted with `start=False` wait for threads awake, the next read submitted with `start`,
+    or a wait: with none of the first two, waiting for them still gets them read."""
+    f, data = make_file(direct_dir, 400, 1536)
+    matrices = [row_matrix(400, 1536, torch.bfloat16) for _ in range(3)]
+    ids = [random_ids(400, 50, seed) for seed in range(3)]
+    with StoreReader({0: f}, direct_io=True, threads=2) as reader:
+        reader.read_in_place(0, torch.arange(10), row_matrix(400, 1536, torch.bfloat16))
+        time.sleep(0.05)  # the pool's threads, made by that read, are asleep again
+        held = [reader.submit_in_place(0, i, m, start=False) for i, m in zip(ids, matrices, strict=True)]
+        with ThreadPoolExecutor(1) as waiter:
+            waited = waiter.submit(lambda: [p.result().bytes_read for p in held])
+            try:
+                read = waited.result(timeout=30)  # a wait that never wakes the threads fails here
+            finally:
+                reader.read_in_place(0, ids[0], matrices[0])  # wakes them, so nothing hangs
+        assert all(nbytes > 0 for nbytes in read)
+    for i, m in zip(ids, matrices, strict=True):
+        assert torch.equal(m[i], data[i])

@@ -665,12 +665,14 @@ class FlashRuntime(Runtime):
         if after is not None and not isinstance(after.pending, PoolFetch):
             return None
         fetches = {}
+        last = [kind for kind, ids in plan.items() if ids.numel()][-1:]
         for kind, ids in plan.items():
             staging = self.staging[kind][buffer]
             ids = ids if ids.is_cpu else ids.cpu()  # a no-op `.cpu()` still costs an operator
             reads = []
             if ids.numel():
-                read = self.reader.submit_in_place((layer, kind), ids, staging)
+                # the pool's threads are woken once, by the last kind's read
+                read = self.reader.submit_in_place((layer, kind), ids, staging, start=[kind] == last)
                 if read is None:
                     return None  # no C pool: nothing was submitted (every call answers the same)
                 reads.append(read)

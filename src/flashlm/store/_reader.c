@@ -44,7 +44,16 @@ typedef struct {
     int64_t n_threads;
     int stop;
     Job *head, *tail; /* jobs with requests not yet claimed, first in, first out */
+    int64_t unclaimed; /* their requests not yet claimed */
 } Pool;
+
+/* Wake as many threads as there are requests to claim (the caller holds the lock): on two cores every
+ * thread woken for nothing costs the others. */
+static void wake(Pool *p) {
+    if (p->unclaimed >= p->n_threads) pthread_cond_broadcast(&p->wake);
+    else
+        for (int64_t i = 0; i < p->unclaimed; i++) pthread_cond_signal(&p->wake);
+}
 
 enum { PLAN_UNSORTED = -1, PLAN_OUT_OF_RANGE = -2, NO_MEMORY = -3 };
 
@@ -114,6 +123,7 @@ static void *worker(void *arg) {
         if (job == NULL) break; /* stopping, and nothing is left to claim */
         if (job->claimed == 0) clock_gettime(CLOCK_MONOTONIC, &job->started);
         const Request *r = &job->requests[job->claimed++];
+        p->unclaimed--;
         if (job->claimed == job->n_requests) {
             p->head = job->next_job;
             if (p->head == NULL) p->tail = NULL;
@@ -172,13 +182,15 @@ Pool *flashlm_reader_new(int64_t threads) {
     return p;
 }
 
-/* Start reading the rows `ids` of the file open as `fd` (`rows` rows) into `base` in place, after the
- * jobs submitted before; returns at once. Returns the job, for `flashlm_reader_wait` (which every job
- * needs: it frees it), or NULL with `*status` set to a plan error (PLAN_UNSORTED, PLAN_OUT_OF_RANGE,
- * NO_MEMORY), having read nothing. */
+/* Queue the reading of the rows `ids` of the file open as `fd` (`rows` rows) into `base` in place, after
+ * the jobs submitted before, and with `start` wake threads for every queued request (without it, threads
+ * awake take the job, and the next submission with `start` or any wait wakes the others: a caller
+ * queuing several jobs at once wakes the threads once); returns at once. Returns the job, for
+ * `flashlm_reader_wait` (which every job needs: it frees it), or NULL with `*status` set to a plan error
+ * (PLAN_UNSORTED, PLAN_OUT_OF_RANGE, NO_MEMORY), having read nothing. */
 Job *flashlm_reader_submit(Pool *p, int64_t fd, const int64_t *ids, int64_t n, int64_t rows, int64_t row_bytes,
                            int64_t data_offset, int64_t alignment, int64_t merge_gap, int64_t chunk_bytes,
-                           char *base, int64_t *status) {
+                           char *base, int64_t start, int64_t *status) {
     Job *job = calloc(1, sizeof(Job));
     Request *requests = malloc(max_requests(n, rows, row_bytes, chunk_bytes) * sizeof(Request));
     int64_t count = job && requests ? plan(ids, n, rows, row_bytes, data_offset, alignment, merge_gap, chunk_bytes,
@@ -199,10 +211,8 @@ Job *flashlm_reader_submit(Pool *p, int64_t fd, const int64_t *ids, int64_t n, i
         if (p->tail) p->tail->next_job = job;
         else p->head = job;
         p->tail = job;
-        /* wake as many threads as there are requests: on two cores every thread woken for nothing costs */
-        if (count >= p->n_threads) pthread_cond_broadcast(&p->wake);
-        else
-            for (int64_t i = 0; i < count; i++) pthread_cond_signal(&p->wake);
+        p->unclaimed += count;
+        if (start) wake(p);
     }
     pthread_mutex_unlock(&p->lock);
     *status = 0;
@@ -213,6 +223,7 @@ Job *flashlm_reader_submit(Pool *p, int64_t fd, const int64_t *ids, int64_t n, i
  * of an early end of file or -1, errno or 0, nanoseconds from its first request's start to its last one's end}. */
 void flashlm_reader_wait(Pool *p, Job *job, int64_t *stats) {
     pthread_mutex_lock(&p->lock);
+    if (!job->done) wake(p); /* jobs queued without `start` */
     while (!job->done) pthread_cond_wait(&p->done, &p->lock);
     pthread_mutex_unlock(&p->lock);
     stats[0] = job->bytes;

@@ -136,7 +136,7 @@ def native_reader() -> ctypes.CDLL | None:
     library.flashlm_reader_new.restype = _P
     library.flashlm_reader_free.argtypes = [_P]
     library.flashlm_reader_free.restype = None
-    library.flashlm_reader_submit.argtypes = [_P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _P, _P]
+    library.flashlm_reader_submit.argtypes = [_P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _P, _I, _P]
     library.flashlm_reader_submit.restype = _P
     library.flashlm_reader_wait.argtypes = [_P, _P, _P]
     library.flashlm_reader_wait.restype = None
@@ -533,11 +533,17 @@ class StoreReader:
         if len(ids):
             self._read_in_place_in_python(self.files[key], key, ids, matrix)
 
-    def submit_in_place(self, key: Hashable, ids: torch.Tensor, matrix: torch.Tensor) -> PendingRead | None:
+    def submit_in_place(
+        self, key: Hashable, ids: torch.Tensor, matrix: torch.Tensor, *, start: bool = True
+    ) -> PendingRead | None:
         """Start `read_in_place(key, ids, matrix)` on the C pool and return at once: the read runs after
         the ones submitted before it, with no Python thread involved, and `result()` waits for it. None
         where there is no C pool (nothing started: call `read_in_place`, which reads in Python). Bad
-        arguments raise here, before anything is read."""
+        arguments raise here, before anything is read.
+
+        `start=False` queues the read without waking the pool's sleeping threads (those awake take it):
+        a caller submitting several reads at once passes it to all but the last, which wakes them once
+        for all. Waiting for any read wakes them too."""
         if self._closed:
             raise ValueError("This StoreReader is closed.")
         f = self.files[key]
@@ -566,6 +572,7 @@ class StoreReader:
             self.merge_gap_bytes,
             self.chunk_bytes,
             matrix.data_ptr(),
+            int(start),
             ctypes.byref(status),
         )
         if status.value == -2:
