@@ -14,8 +14,8 @@ threads of a 2-core machine one call instead of a planning pass and a Python ste
 `submit_in_place` starts such a read and returns at once (`PendingRead.result()` waits): the decode
 thread hands reads to the C threads itself, with no Python thread between, which on two cores took
 the GIL from the decode thread at every read and answered the wait late (SmolLM2-135M's dense
-streaming at 50%: 13.5 against 9.5 tokens/s; Qwen2.5-1.5B's 1.95 against 1.60;
-`benchmarks/alternate.py`).
+streaming at 50%: 13.5 against 9.5 tokens/s; Qwen2.5-1.5B's 1.95 against 1.60; alternated in one
+process, as `benchmarks/alternate.py` does, the README's few-cores section).
 """
 
 from __future__ import annotations
