@@ -191,13 +191,12 @@ Pool *flashlm_reader_new(int64_t threads) {
 Job *flashlm_reader_submit(Pool *p, int64_t fd, const int64_t *ids, int64_t n, int64_t rows, int64_t row_bytes,
                            int64_t data_offset, int64_t alignment, int64_t merge_gap, int64_t chunk_bytes,
                            char *base, int64_t start, int64_t *status) {
-    Job *job = calloc(1, sizeof(Job));
-    Request *requests = malloc(max_requests(n, rows, row_bytes, chunk_bytes) * sizeof(Request));
-    int64_t count = job && requests ? plan(ids, n, rows, row_bytes, data_offset, alignment, merge_gap, chunk_bytes,
-                                           requests)
-                                    : NO_MEMORY;
+    /* one allocation: the job, then its requests */
+    Job *job = malloc(sizeof(Job) + max_requests(n, rows, row_bytes, chunk_bytes) * sizeof(Request));
+    Request *requests = job ? (Request *)(job + 1) : NULL;
+    int64_t count =
+        job ? plan(ids, n, rows, row_bytes, data_offset, alignment, merge_gap, chunk_bytes, requests) : NO_MEMORY;
     if (count < 0) {
-        free(requests);
         free(job);
         *status = count;
         return NULL;
@@ -232,7 +231,6 @@ void flashlm_reader_wait(Pool *p, Job *job, int64_t *stats) {
     stats[3] = job->error;
     stats[4] = (job->completed.tv_sec - job->started.tv_sec) * 1000000000LL +
                (job->completed.tv_nsec - job->started.tv_nsec);
-    free(job->requests);
     free(job);
 }
 
