@@ -421,6 +421,8 @@ class FlashRuntime(Runtime):
         """(layer, buffer, kinds) of the read `_pending` is doing."""
         self._updates: dict[tuple[int, str], Future[None]] = {}
         """The cache update each (layer, kind) has queued on the I/O thread (`update_caches`)."""
+        self._last_update: Future[None] | None = None
+        """The update queued last: the I/O thread runs its queue in order, so once it is done, all are."""
         self._guess: Guess | None = None
         """The read `guess` started for the next layer, until that layer `take_guess`es it."""
         self.selections: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
@@ -586,6 +588,7 @@ class FlashRuntime(Runtime):
         done = self._io.submit(run_and_count)
         for kind in kinds:
             self._updates[(layer, kind)] = done
+        self._last_update = done
 
     def settle(self, layer: int, kind: str) -> None:
         """Wait for the update `update_caches` queued for this cache, if any (raising its error)."""
@@ -656,13 +659,12 @@ class FlashRuntime(Runtime):
         self, layer: int, plan: dict[str, torch.Tensor], buffer: int, after: Guess | None = None
     ) -> PoolLayerFetch | None:
         """Start reading units `plan[kind]` of `layer` into staging buffer `buffer` on the reader's C pool,
-        with no Python thread on the way (`after`: the guess whose read of the same kind this read
-        completes). None, with nothing started, where the pool cannot take them: no C library, or a cache
-        update still queued on the I/O thread, which must copy its rows out of a staging buffer before
-        any later read may reuse it (the I/O thread's queue orders the two; the pool would not)."""
-        if any(not update.done() for update in self._updates.values()):
-            return None
-        if after is not None and not isinstance(after.pending, PoolFetch):
+        with no Python thread on the way (`after`: the guess, read on the pool, whose read of the same
+        kind this read completes). None, with nothing started, where the pool cannot take them: no C
+        library, or a cache update still queued on the I/O thread, which must copy its rows out of a
+        staging buffer before any later read may reuse it (the I/O thread's queue orders the two; the
+        pool would not)."""
+        if self._last_update is not None and not self._last_update.done():
             return None
         fetches = {}
         last = [kind for kind, ids in plan.items() if ids.numel()][-1:]
