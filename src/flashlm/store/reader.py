@@ -531,7 +531,7 @@ class StoreReader:
             pending.result()
             return
         if len(ids):
-            self._read_in_place_in_python(self.files[key], key, ids, matrix)
+            self._read_in_place_in_python(key, ids, matrix)
 
     def submit_in_place(
         self, key: Hashable, ids: torch.Tensor, matrix: torch.Tensor, *, start: bool = True
@@ -591,10 +591,9 @@ class StoreReader:
             self.bytes_read += nbytes
             self.reads_issued += calls
 
-    def _read_in_place_in_python(
-        self, f: RowFile, key: Hashable, ids: torch.Tensor, matrix: torch.Tensor
-    ) -> None:
+    def _read_in_place_in_python(self, key: Hashable, ids: torch.Tensor, matrix: torch.Tensor) -> None:
         """`read_in_place` without the C library: planned in numpy, read by the Python thread pool."""
+        f = self.files[key]
         plan = plan_reads(
             ids.numpy(),
             f.row_bytes,
