@@ -26,6 +26,8 @@ import pytest
 import torch
 import transformers
 
+from flashlm.store.reader import native_reader
+
 
 def _real_cache_root() -> Path | None:
     """The user's flashlm cache root (same rules as `flashlm._utils.cache_dir`), without creating it."""
@@ -230,6 +232,11 @@ TINY_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
 TINY_VARIANTS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "falcon-bias": _falcon_bias,
 }
+
+
+NO_NATIVE_READER = "the C reader needs a C compiler"
+needs_native_reader = pytest.mark.skipif(native_reader() is None, reason=NO_NATIVE_READER)
+"""For tests of the reader's C pool (`flashlm.store.reader.native_reader`)."""
 
 
 def tiny_config(name: str) -> transformers.PretrainedConfig:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build_tiny_model, tiny_config
+from conftest import build_tiny_model, needs_native_reader, tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
@@ -39,7 +39,6 @@ from flashlm.ops.select import TopUnits
 from flashlm.patching import streaming_mlps
 from flashlm.store import add_kinds
 from flashlm.store.format import dense_kinds
-from flashlm.store.reader import native_reader
 
 SPARSE_METHODS = ["dip", "glu", "gate", "up", "cats"]
 
@@ -574,7 +573,7 @@ def test_cache_updates_run_at_once_or_on_the_io_thread_alike(options, four_layer
         assert torch.equal(rows, rows_now)  # the rows a queued update copied are the ones its layer read
 
 
-@pytest.mark.skipif(native_reader() is None, reason="the reader's C pool needs a C compiler")
+@needs_native_reader
 @pytest.mark.parametrize(
     "options",
     [{}, {"method": "dip", "density": 0.6, "cache_aware": 0.2}, {"method": "up", "density": 0.6}],

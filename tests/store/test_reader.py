@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import NO_NATIVE_READER, needs_native_reader
 
 from flashlm.errors import FlashLMError, StoreCorruptError
 from flashlm.store import reader as reader_mod
@@ -27,9 +28,6 @@ from flashlm.store.reader import (
     split_chunks,
 )
 from flashlm.store.rowfile import RowFile
-
-NO_NATIVE_READER = "the C reader needs a C compiler"
-needs_native_reader = pytest.mark.skipif(reader_mod.native_reader() is None, reason=NO_NATIVE_READER)
 
 
 def make_file(
