@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -544,3 +546,23 @@ def test_reads_queued_without_waking_the_threads_still_run(direct_dir: Path) -> 
         assert all(nbytes > 0 for nbytes in read)
     for i, m in zip(ids, matrices, strict=True):
         assert torch.equal(m[i], data[i])
+
+
+@needs_native_reader
+def test_a_reader_left_open_with_reads_outstanding_closes_quietly_at_exit(direct_dir: Path) -> None:
+    """A script that ends with a read submitted and the reader still open: the reader's finalizer, run
+    while Python shuts down (when imports fail), waits for the read and exits without an error."""
+    f, _ = make_file(direct_dir, 400, 1536)
+    script = (
+        "import torch\n"
+        "from pathlib import Path\n"
+        "from flashlm.store.reader import StoreReader, row_matrix\n"
+        "from flashlm.store.rowfile import RowFile\n"
+        f"f = RowFile(Path({str(f.path)!r}), {f.data_offset}, {f.rows}, {f.width}, torch.bfloat16)\n"
+        "reader = StoreReader({0: f}, direct_io=True)\n"
+        "matrix = row_matrix(f.rows, f.width, torch.bfloat16)\n"
+        "pending = reader.submit_in_place(0, torch.arange(0, 400, 3), matrix)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -42,6 +42,8 @@ from .rowfile import ALIGNMENT, RowFile
 
 NATIVE_SOURCE = Path(__file__).with_name("_reader.c")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+_WaitStats = ctypes.c_int64 * 5
+"""What `flashlm_reader_wait` reports of a job (see `_reader.c`)."""
 _PLAN_ERRORS = {-1: "ids must be sorted ascending and unique.", -3: "out of memory planning the reads."}
 
 # Defaults measured on the development disk (virtio /dev/vda, ext4, 2 cores) with
@@ -256,9 +258,11 @@ class PendingRead:
         return self._done
 
     def _finish(self) -> None:
-        stats = np.zeros(5, dtype=np.int64)
-        native_reader().flashlm_reader_wait(self._pool, self._job, stats.ctypes.data)
-        nbytes, calls, eof_at, error, nanoseconds = stats.tolist()
+        # a ctypes array, not numpy's `.ctypes`, which imports a module: a reader closed while Python
+        # shuts down (its finalizer) waits here when imports fail
+        stats = _WaitStats()
+        native_reader().flashlm_reader_wait(self._pool, self._job, stats)
+        nbytes, calls, eof_at, error, nanoseconds = stats
         self._reader._count(self, nbytes, calls)
         f = self._file
         if error:
