@@ -127,6 +127,29 @@ def test_contiguous_ids_are_one_request_per_chunk(direct_dir: Path) -> None:
                 assert run.nbytes == 300 * f.row_bytes
 
 
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [
+        (6, 4 * ALIGNMENT),  # little to read: chunk-sized requests
+        (29, 10 * ALIGNMENT),  # 29 rows of 4 KiB over 3 threads: a third each, in whole blocks
+        (2000, 16 * ALIGNMENT),  # much to read: at most SPREAD_CHUNKS (4) chunks a request
+    ],
+)
+def test_long_in_place_reads_take_one_request_per_thread(
+    direct_dir: Path, in_place_path: str, rows: int, expected: int
+) -> None:
+    """An in-place read of many rows is cut into one request per thread (fewer, larger requests: each
+    costs the CPU about the same), between `chunk_bytes` and `SPREAD_CHUNKS` chunks a request."""
+    f, data = make_file(direct_dir, 2000, 2048)  # 4096-byte rows: one page each
+    ids = torch.arange(rows)
+    with StoreReader({0: f}, direct_io=True, threads=3, chunk_bytes=4 * ALIGNMENT) as reader:
+        assert reader.request_bytes(rows * f.row_bytes) == expected
+        matrix = row_matrix(2000, 2048, torch.bfloat16)
+        reader.read_in_place(0, ids, matrix)
+        assert reader.reads_issued == -(-rows * f.row_bytes // expected)
+    assert torch.equal(matrix[ids], data[ids])
+
+
 def test_gap_merging_trades_requests_for_bytes(direct_dir: Path) -> None:
     f, _ = make_file(direct_dir, 2000, 2048)  # 4096-byte rows: one page each
     ids = torch.arange(0, 2000, 3)  # a two-row gap (8 KiB) between wanted rows

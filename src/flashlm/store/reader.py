@@ -77,7 +77,21 @@ MEASURED_BANDWIDTH = 1398e6
 DEFAULT_THREADS = 4
 """Reader threads (see the decode measurement above)."""
 DEFAULT_CHUNK_BYTES = 256 * 1024
-"""Largest single request (see the decode measurement above)."""
+"""Request size (see the decode measurement above); an in-place read of many rows takes larger ones,
+up to `SPREAD_CHUNKS` times this (`StoreReader.request_bytes`)."""
+# Every request costs the CPU about the same whatever its size: O_DIRECT reads of a 512 MB file on the
+# same kind of VM (one thread, 256 KiB requests) took 86-128 ms of system time, in 2 MiB requests
+# 16-19 ms, so ~35-40 us a request. On two cores that time is taken from the decode. Reading Qwen2.5-
+# 1.5B at a 50% budget (27.5 MB per layer and kind), 256 KiB requests made 5124 requests per token;
+# up to 1 MiB, 1316, and decoding ran 1.12-1.24x faster (benchmarks/alternate.py, io_chunk_bytes
+# 262144 against 1048576, three runs, default and AVX2 kernels, 12 of 12 block pairs); SmolLM2's
+# layers (1.8 MB per kind) ran as fast or 2-10% slower with 1 MiB requests, having too few of them to
+# keep the threads busy. So a read is cut into one request per thread where that makes requests
+# larger than `chunk_bytes`, up to SPREAD_CHUNKS chunks each. Against 256 KiB requests, one process
+# each: Qwen2.5-1.5B dense@50% 1.18x (1.93 / 1.64 tok/s) with default kernels and 1.25x with AVX2's,
+# DIP-CA@0.6 1.10x, every block pair faster; SmolLM2's reads make the same requests either way.
+SPREAD_CHUNKS = 4
+"""Largest request of a long in-place read, in chunks (`StoreReader.request_bytes`)."""
 
 
 def break_even_gap_bytes(latency_s: float, bandwidth: float, alignment: int = ALIGNMENT) -> int:
@@ -288,7 +302,9 @@ class StoreReader:
             reads otherwise (`fallback_reason` says why); `True` requires it
             (`DirectIOUnavailableError` otherwise); `False` reads through the page cache.
         threads: parallel readers (`DEFAULT_THREADS`, measured).
-        chunk_bytes: largest single request, a multiple of 4096 (`DEFAULT_CHUNK_BYTES`, measured).
+        chunk_bytes: request size, a multiple of 4096 (`DEFAULT_CHUNK_BYTES`, measured); an in-place
+            read of many rows cuts them into larger requests, up to `SPREAD_CHUNKS` chunks each
+            (`request_bytes`).
         merge_gap_bytes: runs at most this far apart are read as one (`DEFAULT_MERGE_GAP_BYTES`,
             the latency x bandwidth model; 0 merges only touching runs).
         buffer_bytes: size of the I/O buffer; a call needing more is served in batches. Default:
@@ -520,6 +536,13 @@ class StoreReader:
             self._windows[key] = elems.as_strided((elems.numel() - f.width + 1, f.width), (1, 1))
         return self._windows[key]
 
+    def request_bytes(self, nbytes: int) -> int:
+        """Request size of an in-place read of about `nbytes`: one request per thread, in whole blocks,
+        where that is more than `chunk_bytes` (each request costs the CPU about the same whatever its
+        size), but at most `SPREAD_CHUNKS` chunks."""
+        per_thread = -(-nbytes // (self.threads * ALIGNMENT)) * ALIGNMENT
+        return min(max(self.chunk_bytes, per_thread), SPREAD_CHUNKS * self.chunk_bytes)
+
     def read_in_place(self, key: Hashable, ids: torch.Tensor, matrix: torch.Tensor) -> None:
         """Fill row `ids[k]` of `matrix` with row `ids[k]` of `files[key]`, straight from the disk: the
         planned runs (coalesced and merged as `read` plans them) land at their own rows, with no I/O
@@ -574,7 +597,7 @@ class StoreReader:
             f.data_offset,
             ALIGNMENT if self.mode == "direct" else 1,
             self.merge_gap_bytes,
-            self.chunk_bytes,
+            self.request_bytes(len(ids) * f.row_bytes),
             matrix.data_ptr(),
             int(start),
             ctypes.byref(status),
@@ -607,7 +630,7 @@ class StoreReader:
             max_run_bytes=max(f.nbytes + 2 * ALIGNMENT, ALIGNMENT),
         )
         starts, ends = plan.run_starts, plan.run_ends
-        run, within, length = split_chunks(starts, ends, self.chunk_bytes)
+        run, within, length = split_chunks(starts, ends, self.request_bytes(len(ids) * f.row_bytes))
         offsets = starts[run] + within
         needed = np.clip(plan.run_needed_ends[run] - offsets, 0, length)
         # Byte b of the file lands at byte b - data_offset of the matrix (requests never start before
