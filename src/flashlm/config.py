@@ -125,7 +125,9 @@ class FlashConfig(QuantizationConfigMixin):
             time a store on it is read (about a second; remembered in flashlm's cache) and takes the
             fewest threads near its best throughput, and the merge gap its request cost and bandwidth
             give (`flashlm.store.disk.disk_profile`); without O_DIRECT, the reader's defaults.
-        io_chunk_bytes: longest single read (a multiple of 4096). `None` takes the measured default.
+        io_chunk_bytes: request size of a read (a multiple of 4096); a long in-place read takes up to
+            four times this, one request per reader thread (`StoreReader.request_bytes`). `None`
+            takes the measured default.
         cache_split: how the budget's cache bytes are shared between unit kinds: `"read-cost"`
             fills first the caches whose misses cost the disk most bytes per unit byte (small units
             under-fill a 4 KiB page), `"size"` shares in proportion to each cache's full size,
