@@ -86,10 +86,11 @@ up to `SPREAD_CHUNKS` times this (`StoreReader.request_bytes`)."""
 # up to 1 MiB, 1316, and decoding ran 1.12-1.24x faster (benchmarks/alternate.py, io_chunk_bytes
 # 262144 against 1048576, three runs, default and AVX2 kernels, 12 of 12 block pairs); SmolLM2's
 # layers (1.8 MB per kind) ran 0.90-0.99x as fast with 1 MiB requests (seven runs), probably having
-# too few of them to keep the threads busy. So a read is cut into one request per thread where that makes requests
-# larger than `chunk_bytes`, up to SPREAD_CHUNKS chunks each. Against 256 KiB requests, one process
-# each: Qwen2.5-1.5B dense@50% 1.18x (1.93 / 1.64 tok/s) with default kernels and 1.25x with AVX2's,
-# DIP-CA@0.6 1.10x, every block pair faster; SmolLM2's reads make the same requests either way.
+# too few of them to keep the threads busy. So a read is cut into one request per thread where that
+# makes requests larger than `chunk_bytes`, up to SPREAD_CHUNKS chunks each. Against 256 KiB
+# requests, one process each: Qwen2.5-1.5B dense@50% 1.18x (1.93 / 1.64 tok/s) with default kernels
+# and 1.25x with AVX2's, DIP-CA@0.6 1.10x, every block pair faster; SmolLM2's reads make the same
+# requests either way.
 SPREAD_CHUNKS = 4
 """Largest request of a long in-place read, in chunks (`StoreReader.request_bytes`)."""
 
