@@ -85,7 +85,7 @@ up to `SPREAD_CHUNKS` times this (`StoreReader.request_bytes`)."""
 # 1.5B at a 50% budget (27.5 MB per layer and kind), 256 KiB requests made 5124 requests per token;
 # up to 1 MiB, 1316, and decoding ran 1.12-1.24x faster (benchmarks/alternate.py, io_chunk_bytes
 # 262144 against 1048576, three runs, default and AVX2 kernels, 12 of 12 block pairs); SmolLM2's
-# layers (1.8 MB per kind) ran 0.90-0.99x as fast with 1 MiB requests (seven runs), probably having
+# layers (1.8 MB per kind) ran 0.90-0.98x as fast with 1 MiB requests (seven runs), probably having
 # too few of them to keep the threads busy. So a read is cut into one request per thread where that
 # makes requests larger than `chunk_bytes`, up to SPREAD_CHUNKS chunks each. Against 256 KiB
 # requests, one process each: Qwen2.5-1.5B dense@50% 1.18x (1.93 / 1.64 tok/s) with default kernels
