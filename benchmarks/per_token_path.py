@@ -39,12 +39,18 @@ measures an older flashlm too (`PYTHONPATH=old/src`, a `--flashlm-cache` of its 
 a `--flashlm-cache` without a disk profile gets the default cache's, so both read with one setting.
 
     python benchmarks/per_token_path.py --models smollm2-135m,qwen2.5-1.5b --out bench-results/per-token
+    python benchmarks/per_token_path.py --repeats 3 --out bench-results/per-token   # a noisy machine
+
+`--repeats N` runs the configurations N times in rotation (each run its own process, as above) and
+shows for each configuration its run of median tokens/s, with the range over the runs beside it: on a
+shared machine the same process can run a third slower than the one before it.
     python benchmarks/per_token_path.py --device cuda --random-weights --models DIR,DIR --out OUT
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -286,6 +292,59 @@ def run(spec, model_dir: Path, capability: str, args) -> dict[str, Any]:
     return json.loads(line.removeprefix("RESULT "))
 
 
+def run_round(
+    model_dir: Path, capability: str, args, wanted: set[str] | None, label: str, results: list, save
+) -> None:
+    """Every configuration (of `wanted`) once, each appended to `results` as it finishes, then `save()`."""
+    for spec in configurations(args.density):
+        if wanted and spec["name"] not in wanted:
+            continue
+        if "idle_like" in spec:
+            like = next((r for r in results if r["config"] == spec["idle_like"] and "ms" in r), None)
+            if like is None:
+                print(f"{spec['name']}: skipped, needs {spec['idle_like']} measured first", file=sys.stderr)
+                continue
+            spec = {**spec, "idle_ms_per_token": like["ms"]["io"]}
+        print(f"{label}: {spec['name']} ...", file=sys.stderr, flush=True)
+        results.append(run(spec, model_dir, capability, args))
+        save()
+
+
+def save_report(
+    stem: Path, report: dict[str, Any], sections: list[str], heading: str, rounds: list[list[dict[str, Any]]]
+) -> None:
+    """The last section's table of median runs, and the report, written to `stem`.json / .md (after each
+    configuration, so that an interrupted run keeps what it measured)."""
+    results = report["runs"][-1]["results"]
+    results[:] = median_runs(rounds)
+    sections[-1] = f"## {heading}\n\n{table(results)}\n\n{idle_comparison(results)}"
+    stem.parent.joinpath(f"{stem.name}.json").write_text(json.dumps(report, indent=1))
+    stem.parent.joinpath(f"{stem.name}.md").write_text("\n".join(sections))
+
+
+def median_runs(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per configuration, in the order first run, its run of median decode tokens/s over the rounds
+    (the lower middle of an even count; a failed run only where every run failed), with every run's
+    tokens/s under `round_tok_s`. One run per row keeps its figures consistent with each other."""
+    by_config: dict[str, list[dict[str, Any]]] = {}
+    for results in rounds:
+        for result in results:
+            by_config.setdefault(result["config"], []).append(result)
+    rows = []
+    for runs in by_config.values():
+        measured = sorted((r for r in runs if "error" not in r), key=lambda r: r["decode_tok_s"])
+        if not measured:
+            rows.append(runs[0])
+            continue
+        rows.append(
+            {
+                **measured[(len(measured) - 1) // 2],
+                "round_tok_s": [r["decode_tok_s"] for r in runs if "error" not in r],
+            }
+        )
+    return rows
+
+
 def number(value, fmt: str) -> str:
     return "—" if value is None or value != value else format(value, fmt)
 
@@ -313,8 +372,12 @@ def table(results: list[dict[str, Any]]) -> str:
         )
         cache = " / ".join(number(ms[part], ".1f") for part in ("lookup", "submit", "update")) if ms else "—"
         exact = ("yes" if r["tokens"] == ram["tokens"] else "NO") if ram and r["config"] in EXACT else "—"
+        spread = r.get("round_tok_s", [])
+        tok_s = f"{r['decode_tok_s']:.2f}" + (
+            f" ({min(spread):.2f}-{max(spread):.2f})" if len(spread) > 1 else ""
+        )
         lines.append(
-            f"| {r['config']} | {r['decode_tok_s']:.2f} "
+            f"| {r['config']} | {tok_s} "
             f"| {number(ram and r['decode_tok_s'] / ram['decode_tok_s'], '.2f')} "
             f"| {r['prefill_s']:.2f} | {number(dense and r['prefill_s'] / dense['prefill_s'], '.2f')} "
             f"| {number(r.get('read_mb_per_token'), '.1f')} | {number(r.get('hit_rate'), '.1%')} | {split} "
@@ -382,6 +445,9 @@ def main() -> None:
     )
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--profile-tokens", type=int, default=2)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="rounds over the configurations; each row is its median run"
+    )
     parser.add_argument("--label", default="after", help="names the output files (e.g. before / after)")
     parser.add_argument("--flashlm-cache", type=Path, default=None, help="FLASHLM_CACHE for the children")
     parser.add_argument("--out", type=Path, default=Path("bench-results/per-token"))
@@ -412,29 +478,18 @@ def main() -> None:
         if args.random_weights:
             model_dir = random_checkpoint(model_dir, args.out / f"random-{model_dir.name}", args.device)
         for capability in capabilities:
+            rounds: list[list[dict[str, Any]]] = []
             results: list[dict[str, Any]] = []
-            report["runs"].append({"model": name, "capability": capability, "results": results})
+            report["runs"].append(
+                {"model": name, "capability": capability, "results": results, "rounds": rounds}
+            )
             sections.append("")
-            for spec in configurations(args.density):
-                if wanted and spec["name"] not in wanted:
-                    continue
-                if "idle_like" in spec:
-                    like = next((r for r in results if r["config"] == spec["idle_like"] and "ms" in r), None)
-                    if like is None:
-                        print(
-                            f"{spec['name']}: skipped, needs {spec['idle_like']} measured first",
-                            file=sys.stderr,
-                        )
-                        continue
-                    spec = {**spec, "idle_ms_per_token": like["ms"]["io"]}
-                print(f"{name} [{capability}] {spec['name']} ...", file=sys.stderr, flush=True)
-                results.append(run(spec, model_dir, capability, args))
-                # written after each configuration, so that an interrupted run keeps what it measured
-                sections[-1] = (
-                    f"## {name}, capability {capability}\n\n{table(results)}\n\n{idle_comparison(results)}"
-                )
-                (args.out / f"{args.label}.json").write_text(json.dumps(report, indent=1))
-                (args.out / f"{args.label}.md").write_text("\n".join(sections))
+            heading = f"{name}, capability {capability}"
+            save = functools.partial(save_report, args.out / args.label, report, sections, heading, rounds)
+            for round_index in range(args.repeats):
+                rounds.append([])
+                label = f"{heading}, round {round_index + 1} of {args.repeats}"
+                run_round(model_dir, capability, args, wanted, label, rounds[-1], save)
             print(sections[-1], flush=True)
 
 
