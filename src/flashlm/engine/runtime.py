@@ -667,14 +667,14 @@ class FlashRuntime(Runtime):
         if self._last_update is not None and not self._last_update.done():
             return None
         fetches = {}
-        last = [kind for kind, ids in plan.items() if ids.numel()][-1:]
+        # the pool's threads are woken once, by the last read submitted
+        waking = next((kind for kind in reversed(plan) if plan[kind].numel()), None)
         for kind, ids in plan.items():
             staging = self.staging[kind][buffer]
             ids = ids if ids.is_cpu else ids.cpu()  # a no-op `.cpu()` still costs an operator
             reads = []
             if ids.numel():
-                # the pool's threads are woken once, by the last kind's read
-                read = self.reader.submit_in_place((layer, kind), ids, staging, start=[kind] == last)
+                read = self.reader.submit_in_place((layer, kind), ids, staging, start=kind == waking)
                 if read is None:
                     return None  # no C pool: nothing was submitted (every call answers the same)
                 reads.append(read)
