@@ -310,13 +310,11 @@ def run_round(
         save()
 
 
-def save_report(
-    stem: Path, report: dict[str, Any], sections: list[str], heading: str, rounds: list[list[dict[str, Any]]]
-) -> None:
-    """The last section's table of median runs, and the report, written to `stem`.json / .md (after each
-    configuration, so that an interrupted run keeps what it measured)."""
-    results = report["runs"][-1]["results"]
-    results[:] = median_runs(rounds)
+def save_report(stem: Path, report: dict[str, Any], sections: list[str], heading: str, entry: dict) -> None:
+    """`entry`'s (the report's last run's) median runs over its rounds, its section's table, and the
+    report, written to `stem`.json / .md (after each configuration, so that an interrupted run keeps
+    what it measured)."""
+    entry["results"] = results = median_runs(entry["rounds"])
     sections[-1] = f"## {heading}\n\n{table(results)}\n\n{idle_comparison(results)}"
     stem.parent.joinpath(f"{stem.name}.json").write_text(json.dumps(report, indent=1))
     stem.parent.joinpath(f"{stem.name}.md").write_text("\n".join(sections))
@@ -478,18 +476,15 @@ def main() -> None:
         if args.random_weights:
             model_dir = random_checkpoint(model_dir, args.out / f"random-{model_dir.name}", args.device)
         for capability in capabilities:
-            rounds: list[list[dict[str, Any]]] = []
-            results: list[dict[str, Any]] = []
-            report["runs"].append(
-                {"model": name, "capability": capability, "results": results, "rounds": rounds}
-            )
+            entry: dict[str, Any] = {"model": name, "capability": capability, "results": [], "rounds": []}
+            report["runs"].append(entry)
             sections.append("")
             heading = f"{name}, capability {capability}"
-            save = functools.partial(save_report, args.out / args.label, report, sections, heading, rounds)
+            save = functools.partial(save_report, args.out / args.label, report, sections, heading, entry)
             for round_index in range(args.repeats):
-                rounds.append([])
+                entry["rounds"].append([])
                 label = f"{heading}, round {round_index + 1} of {args.repeats}"
-                run_round(model_dir, capability, args, wanted, label, rounds[-1], save)
+                run_round(model_dir, capability, args, wanted, label, entry["rounds"][-1], save)
             print(sections[-1], flush=True)
 
 
