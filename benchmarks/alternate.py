@@ -6,7 +6,8 @@ variant is a set of `FlashConfig` options (`key=value`, comma-separated) over `-
 plain transformers; `torch_threads=N` sets `torch.set_num_threads` for the variant's blocks. Each
 variant loads its own model and keeps its own generation state. Printed per block and
 summarized by the median: tokens/s (and against the first variant), and for flashlm variants the I/O
-wait, compute and MB read per token from `flashlm.stats`; the last column says whether the variant
+wait, selection, cache bookkeeping (lookup, read submission, admission), compute and MB read per token
+from `flashlm.stats`; the last column says whether the variant
 decoded the first variant's greedy tokens.
 
     python benchmarks/alternate.py --model smollm2-135m --base memory_budget=50% \\
@@ -101,6 +102,8 @@ class Variant:
         if not self.ram:
             totals = flashlm.stats(self.model).totals(decode_only=True)
             block["io_ms"] = 1e3 * totals["io_s_per_step"]
+            block["select_ms"] = 1e3 * totals["select_s_per_step"]
+            block["cache_ms"] = 1e3 * totals["cache_s_per_step"]
             block["compute_ms"] = 1e3 * totals["compute_s_per_step"]
             block["mb"] = totals["bytes_read_per_step"] / 1e6
         self.blocks.append(block)
@@ -125,16 +128,17 @@ def table(variants: list[Variant]) -> str:
 
     first = variants[0]
     lines = [
-        "| variant | tok/s per block | median tok/s | x first | I/O wait ms | compute ms | MB read "
-        "| tokens = first |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | tok/s per block | median tok/s | x first | I/O wait ms | select ms | cache ms "
+        "| compute ms | MB read | tokens = first |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for variant in variants:
         blocks = " / ".join(f"{block['tok_s']:.2f}" for block in variant.blocks)
         tok_s = variant.median("tok_s")
         lines.append(
             f"| {variant.label} | {blocks} | {tok_s:.2f} | {tok_s / first.median('tok_s'):.2f} "
-            f"| {cell(variant.median('io_ms'), '.1f')} "
+            f"| {cell(variant.median('io_ms'), '.1f')} | {cell(variant.median('select_ms'), '.1f')} "
+            f"| {cell(variant.median('cache_ms'), '.1f')} "
             f"| {cell(variant.median('compute_ms'), '.1f')} | {cell(variant.median('mb'), '.1f')} "
             f"| {'yes' if variant.tokens == first.tokens else 'no'} |"
         )
