@@ -43,7 +43,8 @@ a `--flashlm-cache` without a disk profile gets the default cache's, so both rea
 
 `--repeats N` runs the configurations N times in rotation (each run its own process, as above) and
 shows for each configuration its run of median tokens/s, with the range over the runs beside it: on a
-shared machine the same process can run a third slower than the one before it.
+shared machine the same process can run a third slower than the one before it. A run times one prefill,
+so the prefill column is the median over the runs (with their range) instead.
     python benchmarks/per_token_path.py --device cuda --random-weights --models DIR,DIR --out OUT
 """
 
@@ -54,6 +55,7 @@ import functools
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -323,7 +325,9 @@ def save_report(stem: Path, report: dict[str, Any], sections: list[str], heading
 def median_runs(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Per configuration, in the order first run, its run of median decode tokens/s over the rounds
     (the lower middle of an even count; a failed run only where every run failed), with every run's
-    tokens/s under `round_tok_s`. One run per row keeps its figures consistent with each other."""
+    tokens/s under `round_tok_s`. One run per row keeps its figures consistent with each other, but for
+    the prefill: one forward per run, so the row's `prefill_s` is the median over the runs (each run's
+    under `round_prefill_s`), not the median-decode run's own."""
     by_config: dict[str, list[dict[str, Any]]] = {}
     for results in rounds:
         for result in results:
@@ -338,6 +342,8 @@ def median_runs(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             {
                 **measured[(len(measured) - 1) // 2],
                 "round_tok_s": [r["decode_tok_s"] for r in runs if "error" not in r],
+                "prefill_s": statistics.median(r["prefill_s"] for r in measured),
+                "round_prefill_s": [r["prefill_s"] for r in runs if "error" not in r],
             }
         )
     return rows
@@ -370,14 +376,17 @@ def table(results: list[dict[str, Any]]) -> str:
         )
         cache = " / ".join(number(ms[part], ".1f") for part in ("lookup", "submit", "update")) if ms else "—"
         exact = ("yes" if r["tokens"] == ram["tokens"] else "NO") if ram and r["config"] in EXACT else "—"
-        spread = r.get("round_tok_s", [])
-        tok_s = f"{r['decode_tok_s']:.2f}" + (
-            f" ({min(spread):.2f}-{max(spread):.2f})" if len(spread) > 1 else ""
+        tok_s, prefill_s = (
+            f"{r[key]:.2f}" + (f" ({min(spread):.2f}-{max(spread):.2f})" if len(spread) > 1 else "")
+            for key, spread in (
+                ("decode_tok_s", r.get("round_tok_s", [])),
+                ("prefill_s", r.get("round_prefill_s", [])),
+            )
         )
         lines.append(
             f"| {r['config']} | {tok_s} "
             f"| {number(ram and r['decode_tok_s'] / ram['decode_tok_s'], '.2f')} "
-            f"| {r['prefill_s']:.2f} | {number(dense and r['prefill_s'] / dense['prefill_s'], '.2f')} "
+            f"| {prefill_s} | {number(dense and r['prefill_s'] / dense['prefill_s'], '.2f')} "
             f"| {number(r.get('read_mb_per_token'), '.1f')} | {number(r.get('hit_rate'), '.1%')} | {split} "
             f"| {cache} "
             f"| {r['mlp_ms_per_token']:.1f} "
