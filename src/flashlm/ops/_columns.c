@@ -25,12 +25,13 @@
 #include <string.h>
 
 #define ALIGN 16          /* column ranges start at multiples of this (an AVX-512 vector of fp32) */
-/* Below this many row elements (4 MB of bf16, ~0.2 ms of reading) one thread works alone. In a decode
- * step the other threads must first wake, and on a 2-core machine the second shares its core with the
- * I/O thread: SmolLM2's products (up to 1.5M elements) took about twice as long on two threads as on
- * one there (DIP's compute per token: 19-24 ms against 14-15, benchmarks/per_token_path.py), while
- * Qwen2.5-1.5B's (8-27M elements) still gained from the second (75-83 ms against 90-96). */
-#define PARALLEL_MIN (1 << 21)
+/* Below this many row elements (128 KB of bf16, a few microseconds of reading) one thread works alone:
+ * waking the team would cost more. SmolLM2's products (0.1-1.5M elements) once ran slower on two threads,
+ * when a Python I/O thread shared the second core; with the reads in C threads that mostly sleep, DIP-CA's
+ * compute per token on SmolLM2 fell from 10.1 to 7.5 ms (AVX2 kernels) and 12.1 to 9.6 ms (default) with
+ * every unit resident, and by 10-20% at a 50% budget, against a threshold of 2M elements (alternated in
+ * one process, as benchmarks/alternate.py does). */
+#define PARALLEL_MIN (1 << 16)
 
 /* Wide enough that a thread reads its share of each kept row as one stream (its block of `out` then sits
  * in L2, not L1): the CPU's prefetchers ramp up once per stream. One token's product over a Qwen2.5-1.5B
