@@ -7,8 +7,8 @@ plain transformers; `torch_threads=N` sets `torch.set_num_threads` for the varia
 variant loads its own model and keeps its own generation state. Printed per block and
 summarized by the median: tokens/s (and against the first variant), and for flashlm variants the I/O
 wait, selection, cache bookkeeping (lookup, read submission, admission), compute and MB read per token
-from `flashlm.stats`; the last column says whether the variant
-decoded the first variant's greedy tokens.
+from `flashlm.stats`; the last column says whether the variant decoded the first variant's greedy
+tokens.
 
     python benchmarks/alternate.py --model smollm2-135m --base memory_budget=50% \\
         --variant cache_split=read-cost --variant cache_split=in-order
