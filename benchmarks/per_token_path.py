@@ -334,19 +334,26 @@ def median_runs(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             by_config.setdefault(result["config"], []).append(result)
     rows = []
     for runs in by_config.values():
-        measured = sorted((r for r in runs if "error" not in r), key=lambda r: r["decode_tok_s"])
+        measured = [r for r in runs if "error" not in r]
         if not measured:
             rows.append(runs[0])
             continue
+        by_speed = sorted(measured, key=lambda r: r["decode_tok_s"])
+        prefills = [r["prefill_s"] for r in measured]
         rows.append(
             {
-                **measured[(len(measured) - 1) // 2],
-                "round_tok_s": [r["decode_tok_s"] for r in runs if "error" not in r],
-                "prefill_s": statistics.median(r["prefill_s"] for r in measured),
-                "round_prefill_s": [r["prefill_s"] for r in runs if "error" not in r],
+                **by_speed[(len(by_speed) - 1) // 2],
+                "round_tok_s": [r["decode_tok_s"] for r in measured],
+                "prefill_s": statistics.median(prefills),
+                "round_prefill_s": prefills,
             }
         )
     return rows
+
+
+def with_range(value: float, spread: list[float]) -> str:
+    """`value`, and where there were several runs the range of theirs."""
+    return f"{value:.2f}" + (f" ({min(spread):.2f}-{max(spread):.2f})" if len(spread) > 1 else "")
 
 
 def number(value, fmt: str) -> str:
@@ -376,17 +383,11 @@ def table(results: list[dict[str, Any]]) -> str:
         )
         cache = " / ".join(number(ms[part], ".1f") for part in ("lookup", "submit", "update")) if ms else "—"
         exact = ("yes" if r["tokens"] == ram["tokens"] else "NO") if ram and r["config"] in EXACT else "—"
-        tok_s, prefill_s = (
-            f"{r[key]:.2f}" + (f" ({min(spread):.2f}-{max(spread):.2f})" if len(spread) > 1 else "")
-            for key, spread in (
-                ("decode_tok_s", r.get("round_tok_s", [])),
-                ("prefill_s", r.get("round_prefill_s", [])),
-            )
-        )
         lines.append(
-            f"| {r['config']} | {tok_s} "
+            f"| {r['config']} | {with_range(r['decode_tok_s'], r.get('round_tok_s', []))} "
             f"| {number(ram and r['decode_tok_s'] / ram['decode_tok_s'], '.2f')} "
-            f"| {prefill_s} | {number(dense and r['prefill_s'] / dense['prefill_s'], '.2f')} "
+            f"| {with_range(r['prefill_s'], r.get('round_prefill_s', []))} "
+            f"| {number(dense and r['prefill_s'] / dense['prefill_s'], '.2f')} "
             f"| {number(r.get('read_mb_per_token'), '.1f')} | {number(r.get('hit_rate'), '.1%')} | {split} "
             f"| {cache} "
             f"| {r['mlp_ms_per_token']:.1f} "
