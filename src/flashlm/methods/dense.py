@@ -138,6 +138,7 @@ class StreamingMLP(DenseOnly, FlashMLP):
         tokens = x.shape[0]
         if runtime.every_unit_resident and runtime.trace is None:
             return self._resident_forward(x).reshape(hidden_states.shape)
+        submitting = perf_counter()
         pending = runtime.read_layer(self.layer, self.kinds_for(self.gated), ahead=bool(runtime.read_ahead))
         started = perf_counter()
         # The cached rows' products of a split product need no read: they run while it finishes.
@@ -171,6 +172,7 @@ class StreamingMLP(DenseOnly, FlashMLP):
             dense_bytes=tokens * runtime.layer_mlp_bytes,
             io_s=resumed - waiting,
             io_busy_s=sum(fetch.busy_s for fetch in fetched.values()),
+            submit_s=started - submitting,
             update_s=updated - computed,
             compute_s=(waiting - started) + (computed - resumed),
         )
