@@ -81,7 +81,7 @@ def test_one_sequence_decodes_as_the_dense_model(arch, cached_fraction, make_tin
     path = make_tiny_checkpoint(arch, dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(path)
     patched = load_patched(path, tmp_path / "store", cached_fraction)
-    caches = streaming_mlps(patched)[0].caches()
+    caches = [cache for module in streaming_mlps(patched) for cache in module.caches()]
     assert any(0 < cache.capacity < cache.num_units for cache in caches)  # cached rows beside read ones
     ids = prompt_ids(reference.config.get_text_config().vocab_size)[:1]
     kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}

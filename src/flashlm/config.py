@@ -133,7 +133,9 @@ class FlashConfig(QuantizationConfigMixin):
             under-fill a 4 KiB page), `"size"` shares in proportion to each cache's full size,
             `"profile"` gives the slots to the units a unit profile (`flashlm profile`) says save the
             most disk bytes, across kinds and layers, `"in-order"` fills one kind's caches whole
-            before the next kind's, in the method's kind order. `None` (default): the method's
+            before the next kind's, in the method's kind order, and a kind's caches one layer after
+            another, in an order that spreads the layers it reaches over the model (so at most one
+            cache of the model is partly filled). `None` (default): the method's
             choice, `"in-order"` for dense streaming (see `StreamingMLP`), `"profile"` for
             `predictor-gate` (whose gate rows are used several times as often as its up_down rows),
             `"read-cost"` for the others.

@@ -387,10 +387,11 @@ def test_cache_split_between_kinds(split, tiny_llama) -> None:
 @pytest.mark.exactness
 @pytest.mark.parametrize(("cached", "read_cost_splits"), [(0.2, 2), (0.5, 2), (0.8, 1)])
 def test_dense_streaming_fills_one_kind_after_another(cached, read_cost_splits, tiny_llama) -> None:
-    """Dense streaming's default split ("in-order") fills gate, then up, then down, so that at most one
-    kind per layer is split between cache and staging; "read-cost", asked for, fills gate and up alike
-    first (the tiny model's down rows cost least per byte), so at the two smaller budgets both are split.
-    Both hold the same bytes and decode the same tokens as the dense model."""
+    """Dense streaming's default split ("in-order") fills gate, then up, then down, each kind one layer
+    after another, so that at most one cache of the model is split between cache and staging;
+    "read-cost", asked for, fills gate and up alike first (the tiny model's down rows cost least per
+    byte), so at the two smaller budgets both are split in every layer. Both hold the same bytes and
+    decode the same tokens as the dense model."""
     path, _, store = tiny_llama
     row_file = flashlm.Store.open(store).row_file
     costs = {kind: row_file(0, kind).read_amplification for kind in ("gate", "up", "down")}
@@ -398,18 +399,20 @@ def test_dense_streaming_fills_one_kind_after_another(cached, read_cost_splits, 
     ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(11))
     dense = AutoModelForCausalLM.from_pretrained(path).eval()
     expected = dense.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    split_kinds, cached_bytes = {}, {}
+    split_kinds, split_caches, cached_bytes = {}, {}, {}
     for split in ("in-order", "read-cost"):
         model = load(path, store, cached=cached, cache_split=None if split == "in-order" else split)
-        split_kinds[split] = 0
+        split_kinds[split] = split_caches[split] = 0
         for module in streaming_mlps(model):
             fractions = [cache.capacity / cache.num_units for _, cache in module._kind_caches]
             split_kinds[split] = max(split_kinds[split], sum(0 < f < 1 for f in fractions))
+            split_caches[split] += sum(0 < f < 1 for f in fractions)
             if split == "in-order":
                 assert fractions == sorted(fractions, reverse=True)
         cached_bytes[split] = streaming_mlps(model)[0].runtime.plan.cache_bytes
         assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0), expected)
     assert split_kinds == {"in-order": 1, "read-cost": read_cost_splits}
+    assert split_caches["in-order"] == 1 and split_caches["read-cost"] == 2 * read_cost_splits
     assert cached_bytes["in-order"] == pytest.approx(cached_bytes["read-cost"], rel=0.02)
 
 

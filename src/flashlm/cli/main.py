@@ -62,7 +62,7 @@ def _add_runtime_options(parser: argparse.ArgumentParser, *, method: bool = True
         help="how the cache bytes are shared between unit kinds (default: the method's; read-cost: "
         "the kinds whose misses cost the disk most per byte first; size: in proportion to each "
         "kind's size; profile: by a unit profile's use of each unit; in-order: one kind whole after "
-        "another)",
+        "another, one layer's cache after another)",
     )
     parser.add_argument(
         "--hot-share",

@@ -154,6 +154,20 @@ same H100, 27.5 MB crossed whole in 0.52 ms, a quarter of its rows scattered in 
 0.67 ms, three quarters in 0.85 ms (`benchmarks/gpu_staging.py`, pinned staging)."""
 
 
+GOLDEN_RATIO_INVERSE = (5**0.5 - 1) / 2
+
+
+def spread_ranks(count: int) -> list[int]:
+    """The rank of each of `count` layers in an order whose every prefix is spread over the model:
+    by the fractional part of the layer times the golden ratio's inverse (the three-gap theorem: any
+    prefix's gaps take at most three sizes; for up to 64 layers, none over twice the mean)."""
+    order = sorted(range(count), key=lambda layer: (layer * GOLDEN_RATIO_INVERSE) % 1.0)
+    ranks = [0] * count
+    for rank, layer in enumerate(order):
+        ranks[layer] = rank
+    return ranks
+
+
 def run_bounds(ids: torch.Tensor) -> tuple[int, int] | None:
     """`(first, last)` where the unique `ids` are every id from first to last, else None (none too)."""
     if ids.numel() == 0:
@@ -789,7 +803,11 @@ class FlashRuntime(Runtime):
         if split == "size":
             return None
         if split == "in-order":
-            return [float(len(self.kinds) - self.kinds.index(kind)) for _, kind in self._cache_keys]
+            kinds, layers, rank = len(self.kinds), self.num_layers, spread_ranks(self.num_layers)
+            return [
+                float((kinds - self.kinds.index(kind)) * layers + layers - rank[layer])
+                for layer, kind in self._cache_keys
+            ]
         return [row_files[key].read_amplification for key in self._cache_keys]
 
     def _staging_bytes(self) -> int:
