@@ -16,20 +16,16 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
-import resource
 import time
 from pathlib import Path
+
+from read_cpu_cost import cpu_seconds  # from this folder
 
 from flashlm import FlashConfig
 from flashlm.data.models import default_model_path
 from flashlm.methods.mlp import open_checkpoint_store
 
 HUGE_PAGE = 2 << 20
-
-
-def cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def anon_huge_kib() -> int:
