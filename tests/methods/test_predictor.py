@@ -132,9 +132,9 @@ def test_reads_guessed_a_layer_ahead_change_nothing_but_the_reads(method, tmp_pa
         monkeypatch.setattr(
             runtime,
             "submit_after",
-            lambda guess, miss_ids, s=runtime.submit_after, seen=taken: (
+            lambda guess, further, fetch_ids, s=runtime.submit_after, seen=taken: (
                 seen.append(guess),
-                s(guess, miss_ids),
+                s(guess, further, fetch_ids),
             )[1],
         )
         with torch.no_grad():

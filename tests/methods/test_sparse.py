@@ -499,7 +499,10 @@ def test_guessed_reads_are_counted_and_change_plain_dip_not_at_all(gamma, tiny_l
         monkeypatch.setattr(
             runtime,
             "guess_uncached",
-            lambda *args, g=runtime.guess_uncached, seen=guesses: (seen.append(args), g(*args)),
+            lambda *args, g=runtime.guess_uncached, seen=guesses, **kwargs: (
+                seen.append(args),
+                g(*args, **kwargs),
+            ),
         )
         with torch.no_grad():
             logits = model(ids).logits
@@ -518,17 +521,26 @@ def test_guessed_reads_are_counted_and_change_plain_dip_not_at_all(gamma, tiny_l
 
 
 @pytest.mark.parametrize(
-    "options",
-    [{"method": "dip", "density": 0.6, "cache_aware": 0.2}, {"method": "up", "density": 0.6}],
-    ids=["dip-ca", "up"],
+    ("options", "guesses"),
+    [
+        ({"method": "dip", "density": 0.6, "cache_aware": 0.2}, False),
+        ({"method": "dip", "density": 0.6, "cache_aware": 0.2}, True),
+        ({"method": "up", "density": 0.6}, False),
+    ],
+    ids=["dip-ca", "dip-ca-guess", "up"],
 )
-def test_cache_updates_run_at_once_or_on_the_io_thread_alike(options, four_layer_llama, monkeypatch) -> None:
+def test_cache_updates_run_at_once_or_on_the_io_thread_alike(
+    options, guesses, four_layer_llama, monkeypatch
+) -> None:
     """A layer's cache updates run on the decode thread when they copy less than
     `QUEUED_UPDATE_MIN_BYTES`, else on the I/O thread: where they run changes nothing the model computes,
     reads, keeps or counts. Queued ones run late here (after a sleep), when the layers after theirs have
-    selected their units in the buffers the layers share (`TopUnits`) and read (or would have read, but
-    for the queue) into the staging buffers the layers share."""
+    selected their units in the buffers the layers take in turn (`TopUnits`), guessed the next layer's
+    units (`guesses`: DIP-CA's layer-ahead read, whose ids the guessed layer's misses extend in place),
+    and read (or would have read, but for the queue) into the staging buffers the layers share."""
     path, store = four_layer_llama
+    if guesses:
+        monkeypatch.setattr(sparse_module, "reads_ahead", lambda config, store, calibration: False)
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(14))
     update = NeuronCache.update
     runs = {}
@@ -548,6 +560,7 @@ def test_cache_updates_run_at_once_or_on_the_io_thread_alike(options, four_layer
             logits = model(ids).logits
         tokens = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
         modules = streaming_mlps(model)
+        assert all(module.guesses_ahead == guesses for module in modules)
         modules[0].runtime.drain()
         totals = flashlm.stats(model).totals()
         caches = [cache for module in modules for cache in module.caches()]
@@ -688,9 +701,9 @@ def test_fused_guess_changes_nothing(tiny_llama, monkeypatch) -> None:
     fused_guesses: list[bool] = []
     guess_uncached = runtime_module.FlashRuntime.guess_uncached
 
-    def recording(runtime, layer, kind, uncached, buffer, selected=None):
+    def recording(runtime, layer, kind, uncached, buffer, selected=None, span=None):
         fused_guesses.append(selected is not None)
-        return guess_uncached(runtime, layer, kind, uncached, buffer, selected)
+        return guess_uncached(runtime, layer, kind, uncached, buffer, selected, span)
 
     monkeypatch.setattr(runtime_module.FlashRuntime, "guess_uncached", recording)
     model = load(path, store, cached=0.35, **options)

@@ -250,7 +250,8 @@ def test_top_units_is_the_selection_its_ids_lookup_and_coefficients(dtype, n, k,
         x[:, : n // 4] = x[:, n // 4 : 2 * (n // 4)]  # plenty of exact ties
         slot_of = torch.where(torch.rand(n, generator=g) < 0.5, torch.arange(n), -1)
         resident = slot_of >= 0
-        mask, coef, ids, miss_ids = top_units(x, k, slot_of, gamma)
+        mask, coef, ids, miss_ids, unread = top_units(x, k, slot_of, gamma)
+        assert unread is None  # not asked for
         expected = reference_topk(x, k, None if gamma == 1 else resident, gamma)
         assert torch.equal(mask, expected)
         assert torch.equal(ids, union_ids(expected))
@@ -263,21 +264,35 @@ def test_top_units_is_the_selection_its_ids_lookup_and_coefficients(dtype, n, k,
 @pytest.mark.exactness
 def test_top_units_count_also_resident_units_as_resident_but_not_as_hits(gamma) -> None:
     """Units read by other means (a guess) weigh as resident in the selection; the misses are still the
-    kept units the cache lacks."""
+    kept units the cache lacks, and those the other means did not read either are written where asked
+    (after a guess's own ids, in its buffer), never past the room given."""
     n, k = 300, 120
     top_units = select.TopUnits(n)
     g = torch.Generator().manual_seed(11)
     x = torch.randn(1, n, generator=g).bfloat16()
     slot_of = torch.where(torch.rand(n, generator=g) < 0.3, torch.arange(n), -1)
     also = torch.rand(n, generator=g) < 0.3
-    mask, coef, ids, miss_ids = top_units(x, k, slot_of, gamma, also)
+    span = torch.full((n,), -7)
+    mask, coef, ids, miss_ids, unread = top_units(x, k, slot_of, gamma, also, span[5:])
     expected = reference_topk(x, k, None if gamma == 1 else (slot_of >= 0) | also, gamma)
     assert torch.equal(mask, expected)
     assert torch.equal(ids, union_ids(expected))
     assert torch.equal(miss_ids, ids[slot_of[ids] < 0])
     assert torch.equal(coef, (x * expected).float())
+    expected_unread = miss_ids[~also[miss_ids]]
+    assert 0 < expected_unread.numel() < miss_ids.numel()
+    assert torch.equal(unread, expected_unread)
+    assert unread.data_ptr() == span[5:].data_ptr()
+    assert torch.equal(span[:5], torch.full((5,), -7))
+    assert torch.equal(span[5 + unread.numel() :], torch.full((n - 5 - unread.numel(),), -7))
+    room = torch.full((expected_unread.numel(),), -7)
+    with pytest.raises(ValueError, match="fewer than the units left to read"):
+        top_units(x, k, slot_of, gamma, also, room[:-1])
+    assert torch.equal(room[-1:], torch.tensor([-7]))  # nothing written past the room given
     with pytest.raises(ValueError, match="also_resident"):
         top_units(x, k, slot_of, gamma, also[:10])
+    with pytest.raises(ValueError, match="unread_into"):
+        top_units(x, k, slot_of, gamma, also, span[::2])
 
 
 @needs_select

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -61,6 +61,10 @@ class CacheUpdate:
     miss_ids: torch.Tensor
     rows: torch.Tensor
     step: int
+    selection: TopUnits | None = None
+    """The fused-selection buffers that `used_ids` and `miss_ids` are views of (None: tensors of their
+    own): an update queued past its layer's forward holds them until it has run
+    (`FlashRuntime.selection_units`)."""
 
     @property
     def copy_bytes(self) -> int:
@@ -73,11 +77,6 @@ class CacheUpdate:
         self.cache.update(
             self.used_ids, self.miss_ids, self.rows, self.step, by_unit=True, release_gil=queued
         )
-
-    def owning_ids(self) -> CacheUpdate:
-        """This update with unit ids of its own: one queued past its step must not read buffers that the
-        next layers' selections reuse (`TopUnits`)."""
-        return dataclasses.replace(self, used_ids=self.used_ids.clone(), miss_ids=self.miss_ids.clone())
 
 
 @dataclass(frozen=True)
@@ -223,7 +222,28 @@ class Guess:
     selected: torch.Tensor | None = None
     """Every unit the guess selected, cached or not, as a bool mask (`[1, units]`), where its selection ran
     fused (`FlashRuntime.guess_units`): the guessed layer's own selection counts them as resident. A
-    buffer that the next guess reuses."""
+    buffer that the guess after next reuses."""
+    span: torch.Tensor | None = None
+    """Where `ids` are the first of a buffer of every unit's length (a fused selection's), that buffer:
+    the guessed layer's fused selection writes the misses the guess did not read right after them
+    (`room`, `extended`), so that the fetch's ids are one view, not a concatenation."""
+
+    @property
+    def room(self) -> torch.Tensor | None:
+        """The part of `span` after `ids` (None without a span)."""
+        return None if self.span is None else self.span[self.ids.shape[0] :]
+
+    def extended(self, unread: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(further, ids)` for `FlashRuntime.submit_after`, given the misses the guess did not read as the
+        guessed layer's fused selection wrote them into `room`."""
+        return unread, self.span[: self.ids.shape[0] + unread.shape[0]]
+
+    def completion(self, miss_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(further, ids)` for `FlashRuntime.submit_after`: the misses `miss_ids` of the guessed layer that
+        the guess did not read, and the ids of a fetch of both (the guessed ones first)."""
+        miss_ids = miss_ids if miss_ids.is_cpu else miss_ids.cpu()
+        further = miss_ids[torch.isin(miss_ids, self.ids, invert=True)]
+        return further, torch.cat((self.ids, further))
 
 
 class Runtime:
@@ -323,10 +343,10 @@ class FlashRuntime(Runtime):
     one layer's units each, so the next layer's reads land while this layer computes: dense streaming
     reads every kind ahead, a sparse method its first stage, and both stages in a multi-token
     forward), every cache's slots and indices, and the buffers of each `selection_kinds` stage's fused
-    selection and lookup (`TopUnits`, a few bytes per unit; a second set for each of the `guess_kinds`,
-    whose next layer's units a decode step guesses) and of each `column_kinds` stage's decode product
-    (`TokenColumns`, one row's sum and result). Reads land in place in the staging
-    matrices, so the reader needs no I/O buffer of its own.
+    selection and lookup (`TopUnits`, a few bytes per unit, two sets taken in turn; two more for each of
+    the `guess_kinds`, whose next layer's units a decode step guesses) and of each `column_kinds`
+    stage's decode product (`TokenColumns`, one row's sum and result). Reads land in place in the
+    staging matrices, so the reader needs no I/O buffer of its own.
 
     Reads run on one background thread (which fans out over the reader's pool), one at a time, so
     counters measured around a read belong to it alone. For the `read_ahead` kinds (dense
@@ -375,17 +395,27 @@ class FlashRuntime(Runtime):
             ]
             for kind in kinds
         }
-        self.top_units = {kind: TopUnits(store.row_file(0, kind).rows) for kind in selection_kinds}
-        """Each of the `selection_kinds`' buffers for a decode token's selection fused with its lookup
-        (`SparseMLP._stage`), shared by the layers, which run one after the other (a cache update queued
-        past its layer's forward takes copies: `CacheUpdate.owning_ids`)."""
+        self.top_units = {
+            kind: (TopUnits(store.row_file(0, kind).rows), TopUnits(store.row_file(0, kind).rows))
+            for kind in selection_kinds
+        }
+        """Each of the `selection_kinds`' two sets of buffers for a decode token's selection fused with its
+        lookup (`SparseMLP._stage`), which the layers take in turn (`selection_units`)."""
+        self._top_units_turn = dict.fromkeys(selection_kinds, 0)
+        self._held: dict[TopUnits, Future[None]] = {}
+        """The cache update queued on the I/O thread that still reads each set's buffers (`update_caches`)."""
         self.token_columns = {
             kind: TokenColumns(store.row_file(0, kind).width, store.dtype) for kind in column_kinds
         }
         """The same for each of the `column_kinds`' decode products (`TokenColumns`)."""
-        self.guess_units = {kind: TopUnits(store.row_file(0, kind).rows) for kind in guess_kinds}
+        self.guess_units = {
+            kind: (TopUnits(store.row_file(0, kind).rows), TopUnits(store.row_file(0, kind).rows))
+            for kind in guess_kinds
+        }
         """The same for each of the `guess_kinds`' selections a layer ahead (`guess`), apart from
-        `top_units`: the guessed layer's own selection reads the guess's mask."""
+        `top_units` (the guessed layer's own selection reads the guess's mask), one set per staging buffer:
+        a guess's ids and mask stay valid until the guess after next, when the layer it guessed for has
+        run."""
         self.budget_bytes = config.budget.resolve(self.num_layers * self.layer_mlp_bytes)
         self.fitted_bytes = fitted_bytes
         self._cache_keys = list(row_files)
@@ -590,7 +620,6 @@ class FlashRuntime(Runtime):
                 update.run(False)
             return
         caches = [self.caches[(layer, kind)] for kind in kinds]
-        updates = [update.owning_ids() for update in updates]
 
         def run_and_count() -> None:
             # The forward that queued this recorded its counters already: the evictions are recorded here.
@@ -602,7 +631,22 @@ class FlashRuntime(Runtime):
         done = self._io.submit(run_and_count)
         for kind in kinds:
             self._updates[(layer, kind)] = done
+        for update in updates:
+            if update.selection is not None:
+                self._held[update.selection] = done
         self._last_update = done
+
+    def selection_units(self, kind: str) -> TopUnits:
+        """The buffers for a decode token's fused selection of `kind` units (`TopUnits`): the two sets in
+        turn, so that a layer's cache update queued past its forward (which reads the set it selected
+        into) stays valid while the next layer selects. A set still held by a queued update is waited
+        for (its error is raised where its layer settles)."""
+        self._top_units_turn[kind] ^= 1
+        units = self.top_units[kind][self._top_units_turn[kind]]
+        held = self._held.pop(units, None)
+        if held is not None:
+            wait((held,))
+        return units
 
     def settle(self, layer: int, kind: str) -> None:
         """Wait for the update `update_caches` queued for this cache, if any (raising its error)."""
@@ -670,11 +714,10 @@ class FlashRuntime(Runtime):
         return on_pool if on_pool is not None else self._io.submit(self._read_kinds, layer, plan, buffer)
 
     def _submit_to_pool(
-        self, layer: int, plan: dict[str, torch.Tensor], buffer: int, after: Guess | None = None
+        self, layer: int, plan: dict[str, torch.Tensor], buffer: int
     ) -> PoolLayerFetch | None:
         """Start reading units `plan[kind]` of `layer` into staging buffer `buffer` on the reader's C pool,
-        with no Python thread on the way (`after`: the guess, read on the pool, whose read of the same
-        kind this read completes). None, with nothing started, where the pool cannot take them: no C
+        with no Python thread on the way. None, with nothing started, where the pool cannot take them: no C
         library, or a cache update still queued on the I/O thread, which must copy its rows out of a
         staging buffer before any later read may reuse it (the I/O thread's queue orders the two; the
         pool would not)."""
@@ -692,8 +735,6 @@ class FlashRuntime(Runtime):
                 if read is None:
                     return None  # no C pool: nothing was submitted (every call answers the same)
                 reads.append(read)
-            if after is not None:
-                ids, reads = torch.cat((after.ids, ids)), [*after.pending.reads, *reads]
             fetches[kind] = PoolFetch(ids, staging, reads)
         return PoolLayerFetch(fetches)
 
@@ -728,13 +769,20 @@ class FlashRuntime(Runtime):
         self.guess_uncached(layer, kind, self.caches[(layer, kind)].missing(ids).cpu(), buffer)
 
     def guess_uncached(
-        self, layer: int, kind: str, uncached: torch.Tensor, buffer: int, selected: torch.Tensor | None = None
+        self,
+        layer: int,
+        kind: str,
+        uncached: torch.Tensor,
+        buffer: int,
+        selected: torch.Tensor | None = None,
+        span: torch.Tensor | None = None,
     ) -> None:
-        """`guess`, given the guess's `uncached` units (ids the read may keep: the caller's own) and, where
-        its selection ran fused with its lookup (`guess_units`), the mask of every unit it `selected`."""
+        """`guess`, given the guess's `uncached` units and, where its selection ran fused with its lookup
+        (`guess_units[kind][buffer]`), the mask of every unit it `selected` and the buffer `uncached` head
+        (`Guess.span`). Their buffers must stay unchanged until the guessed layer has run."""
         self.take_guess(-1, kind)  # one guess at a time: an unclaimed one is waited for and dropped
         pending = self.submit(layer, kind, uncached, buffer)
-        self._guess = Guess(layer, kind, buffer, uncached, pending, selected)
+        self._guess = Guess(layer, kind, buffer, uncached, pending, selected, span)
 
     def take_guess(self, layer: int, kind: str) -> Guess | None:
         """The guess started for `layer`'s `kind`, if that is the one outstanding (any other is waited for
@@ -747,27 +795,27 @@ class FlashRuntime(Runtime):
             self.stats.record(guess.layer, bytes_read=wasted.bytes_read, reads=wasted.reads)
         return None
 
-    def submit_after(self, guess: Guess, miss_ids: torch.Tensor) -> PendingFetch:
-        """The read of a layer's misses `miss_ids` whose guess was `guess`: what the guess did not read
-        lands beside it in the same staging buffer. The fetch covers the guessed and the further ids
-        (the guessed ones the layer did not select get zero coefficients) and counts both reads. With no
-        miss, the guess's own read is that fetch, with no task for the I/O thread (as `submit` returns a
-        finished read when there is nothing to read)."""
-        if miss_ids.shape[0] == 0:
+    def submit_after(self, guess: Guess, further: torch.Tensor, ids: torch.Tensor) -> PendingFetch:
+        """The read of a layer's misses whose guess was `guess`: `further`, those the guess did not read,
+        land beside the guessed ones in the same staging buffer. The fetch covers `ids`, the guessed and
+        the further ones (`Guess.extended` or `Guess.completion` gives both; the guessed units the layer
+        did not select get zero coefficients), and counts both reads. With nothing further, the guess's
+        own read is that fetch, with no task for the I/O thread (as `submit` returns a finished read
+        when there is nothing to read)."""
+        if further.shape[0] == 0:
             return guess.pending
-        miss_ids = miss_ids if miss_ids.is_cpu else miss_ids.cpu()
-        further = miss_ids[torch.isin(miss_ids, guess.ids, invert=True)]
         if isinstance(guess.pending, PoolFetch):
             # Submitted now, it is read after the guess and before any later guess.
-            on_pool = self._submit_to_pool(guess.layer, {guess.kind: further}, guess.buffer, after=guess)
+            on_pool = self._submit_to_pool(guess.layer, {guess.kind: further}, guess.buffer)
             if on_pool is not None:
-                return on_pool.fetches[guess.kind]
+                read = on_pool.fetches[guess.kind]
+                return PoolFetch(ids, read.matrix, [*guess.pending.reads, *read.reads])
 
         def complete() -> Fetch:
             guessed = guess.pending.result()
             read = self.read(guess.layer, guess.kind, further, guess.buffer)
             return Fetch(
-                torch.cat((guess.ids, read.ids)),
+                ids,
                 guessed.matrix,
                 guessed.bytes_read + read.bytes_read,
                 guessed.reads + read.reads,
@@ -816,7 +864,10 @@ class FlashRuntime(Runtime):
         return sum(b.untyped_storage().nbytes() for bufs in self.staging.values() for b in bufs)
 
     def _decode_buffer_bytes(self) -> int:
-        buffers = [*self.top_units.values(), *self.guess_units.values(), *self.token_columns.values()]
+        buffers = [
+            *(units for sets in (*self.top_units.values(), *self.guess_units.values()) for units in sets),
+            *self.token_columns.values(),
+        ]
         return sum(buffer.nbytes for buffer in buffers)
 
     def reset_stats(self) -> None:

@@ -241,7 +241,7 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
         if taken is None:
             pending = runtime.submit(layer, kind, miss_ids)
         else:
-            pending = runtime.submit_after(taken, miss_ids)
+            pending = runtime.submit_after(taken, *taken.completion(miss_ids))
         submitted = perf_counter()
         if then is not None:
             then()

@@ -412,14 +412,16 @@ class SparseMLP(Selection, FlashMLP):
             return self._sequential_stage(kind, cache, select, values, times)
         started = perf_counter()
         guess = runtime.take_guess(layer, kind) if kind == self.INPUT_KIND and self.guesses_ahead else None
-        fused = None
+        fused = units = unread = None
         gamma = self._fused_gamma(topk)
         # With a guess, the selection counts the guessed units as resident: fused where it has their mask.
         guessed = None if guess is None else guess.selected
         if topk is not None and values.shape[0] == 1 and (guess is None or guessed is not None or gamma == 1):
-            fused = runtime.top_units[kind](values, topk.k, cache.slot_of, gamma, guessed)
+            units = runtime.selection_units(kind)
+            room = None if guessed is None else guess.room
+            fused = units(values, topk.k, cache.slot_of, gamma, guessed, room)
         if fused is not None:
-            mask, coef, ids, miss_ids = fused
+            mask, coef, ids, miss_ids, unread = fused
             cache.count(ids.shape[0] - miss_ids.shape[0], miss_ids.shape[0])
             selected = looked_up = perf_counter()  # one call: the lookup is timed with the selection
         else:
@@ -439,7 +441,8 @@ class SparseMLP(Selection, FlashMLP):
             # Every uncached unit, needed or not: the unneeded ones get zero coefficients.
             pending = runtime.read_layer(layer)
         elif guess is not None:
-            pending = runtime.submit_after(guess, miss_ids)
+            further, fetch_ids = guess.completion(miss_ids) if unread is None else guess.extended(unread)
+            pending = runtime.submit_after(guess, further, fetch_ids)
         else:
             pending = runtime.submit(layer, kind, miss_ids)
         submitted = perf_counter()
@@ -458,7 +461,8 @@ class SparseMLP(Selection, FlashMLP):
             fetched = parts.fetched
             if runtime.trace is not None:
                 runtime.trace.record(runtime.step_start, layer, kind, ids)
-            return CacheUpdate(cache, ids, miss_ids, fetched.matrix, runtime.step_start)
+            selection = None if fused is None else units  # the buffers `ids` and `miss_ids` are views of
+            return CacheUpdate(cache, ids, miss_ids, fetched.matrix, runtime.step_start, selection)
 
         return Selected(mask, coef), parts, finish
 
@@ -474,11 +478,12 @@ class SparseMLP(Selection, FlashMLP):
         cache = runtime.caches[(following, self.INPUT_KIND)]
         topk, guess_units = self.input_topk(), runtime.guess_units.get(self.INPUT_KIND)
         if topk is not None and guess_units is not None:
-            gamma = self._fused_gamma(topk)
-            fused = guess_units(x, topk.k, cache.slot_of, gamma)
+            units = guess_units[buffer]  # unchanged until the guess after next, when its layer has run
+            fused = units(x, topk.k, cache.slot_of, self._fused_gamma(topk))
             if fused is not None:
-                mask, _, _, uncached = fused
-                runtime.guess_uncached(following, self.INPUT_KIND, uncached.clone(), buffer, mask)
+                runtime.guess_uncached(
+                    following, self.INPUT_KIND, fused.misses, buffer, fused.mask, span=units.miss_ids
+                )
                 return
         mask = self.select_input(x, self._residency(cache))
         ids = runtime.unit_ids[: cache.num_units] if mask is None else union_ids(mask)

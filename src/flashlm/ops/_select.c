@@ -91,13 +91,16 @@ DEFINE_TOPK(flashlm_topk_f32, float, f32_to_float)
  * caller runs no tensor operator between selecting and reading:
  *
  *   mask[j]  the selection;                     coef[j]  x[j] where kept, else 0 (fp32);
- *   ids      the kept units, ascending;         misses   those of them not resident, ascending.
+ *   ids      the kept units, ascending;         misses   those of them not in the cache, ascending;
+ *   unread   (where not NULL) those of the misses not in `also` either, ascending: what is left to read.
  *
  * The keys are built in coef's memory (4 bytes a unit either way), so a call allocates nothing.
- * Returns the number kept and sets *missed. */
+ * Returns the number kept and sets *missed, and *n_unread to the number of unread units, or to -1 (with
+ * none written past `unread_capacity`) where they do not fit. */
 #define DEFINE_TOP_UNITS(NAME, ELEM, CONVERT)                                                         \
     int64_t NAME(const ELEM *x, int64_t n, const int64_t *slot_of, const uint8_t *also, float gamma,     \
-                 int64_t k, uint8_t *mask, float *coef, int64_t *ids, int64_t *misses, int64_t *missed) {    \
+                 int64_t k, uint8_t *mask, float *coef, int64_t *ids, int64_t *misses, int64_t *missed,      \
+                 int64_t *unread, int64_t unread_capacity, int64_t *n_unread) {                              \
         _Static_assert(sizeof(float) == sizeof(uint32_t), "keys live in coef's memory");             \
         uint32_t *keys = (uint32_t *)coef;                                                           \
         for (int64_t j = 0; j < n; j++) {                                                            \
@@ -106,14 +109,19 @@ DEFINE_TOPK(flashlm_topk_f32, float, f32_to_float)
             keys[j] = bits_of(resident ? magnitude : magnitude * gamma);                             \
         }                                                                                            \
         mark_largest(keys, n, k, mask);                                                              \
-        int64_t kept = 0, miss = 0;                                                                  \
+        int64_t kept = 0, miss = 0, left = 0;                                                        \
         for (int64_t j = 0; j < n; j++) {                                                            \
             coef[j] = mask[j] ? CONVERT(x[j]) : 0.0f;                                                \
             if (!mask[j]) continue;                                                                  \
             ids[kept++] = j;                                                                         \
-            if (slot_of[j] < 0) misses[miss++] = j;                                                  \
+            if (slot_of[j] >= 0) continue;                                                           \
+            misses[miss++] = j;                                                                      \
+            if (!unread || (also && also[j]) || left < 0) continue;                                  \
+            if (left == unread_capacity) left = -1; /* they do not fit: nothing is written past */   \
+            else unread[left++] = j;                                                                 \
         }                                                                                            \
         *missed = miss;                                                                              \
+        if (unread) *n_unread = left;                                                                \
         return kept;                                                                                 \
     }
 

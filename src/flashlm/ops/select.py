@@ -18,6 +18,7 @@ import ctypes
 import functools
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -35,7 +36,7 @@ def _functions() -> dict[str, dict[torch.dtype, Callable]] | None:
         return None
     functions = typed_functions(library, "flashlm_topk", [_P, _I, _I, _I, _P, ctypes.c_float, _I, _P, _I])
     units = typed_functions(
-        library, "flashlm_top_units", [_P, _I, _P, _P, ctypes.c_float, _I, _P, _P, _P, _P, _P]
+        library, "flashlm_top_units", [_P, _I, _P, _P, ctypes.c_float, _I, _P, _P, _P, _P, _P, _P, _I, _P]
     )
     for function in units.values():
         function.restype = _I
@@ -77,12 +78,28 @@ def topk_mask(
     return mask
 
 
+class Units(NamedTuple):
+    """What `TopUnits` found for one token (views of its buffers)."""
+
+    mask: torch.Tensor
+    """`[1, num_units]` bool: the selection."""
+    coef: torch.Tensor
+    """`[1, num_units]` fp32: the input where the mask keeps it, else 0."""
+    ids: torch.Tensor
+    """The kept unit ids, ascending."""
+    misses: torch.Tensor
+    """Those of them not in the cache, ascending."""
+    unread: torch.Tensor | None
+    """Those of the misses not read by other means either (`also_resident`), ascending: a view of the
+    caller's `unread_into` (None without it)."""
+
+
 class TopUnits:
     """One token's magnitude top-k over `num_units` units, with its lookup in a cache, in one C call
     (`flashlm_top_units`), into buffers of its own that each call reuses (`nbytes` of them).
 
-    What a call returns are views of those buffers, valid until the next call (the runtime keeps one
-    per unit kind, which the layers share: `FlashRuntime.top_units`).
+    What a call returns are views of those buffers, valid until the next call (the runtime keeps two
+    sets per unit kind, which the layers take in turn: `FlashRuntime.selection_units`).
     """
 
     def __init__(self, num_units: int) -> None:
@@ -92,6 +109,7 @@ class TopUnits:
         self.ids = torch.empty(num_units, dtype=torch.int64)
         self.miss_ids = torch.empty(num_units, dtype=torch.int64)
         self._missed = ctypes.c_int64()
+        self._unread = ctypes.c_int64()
         self._pointers = (
             self.mask.data_ptr(),
             self.coef.data_ptr(),
@@ -111,13 +129,14 @@ class TopUnits:
         slot_of: torch.Tensor,
         gamma: float = 1.0,
         also_resident: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """`(mask, coef, ids, miss_ids)` for the one token `x` (`[1, num_units]` on the CPU): the mask of
-        the `k` largest `|x| * (1 if resident else gamma)` (as `topk_mask`), a unit resident where
-        `slot_of >= 0` or `also_resident` (a bool mask of `num_units`: units read by other means, a
-        guess) is set; `x` where the mask is set and 0 elsewhere (fp32); the kept unit ids ascending;
-        and those with `slot_of < 0`. None where the C library or this input cannot serve (the caller
-        then takes the general path)."""
+        unread_into: torch.Tensor | None = None,
+    ) -> Units | None:
+        """`Units` for the one token `x` (`[1, num_units]` on the CPU): the mask of the `k` largest
+        `|x| * (1 if resident else gamma)` (as `topk_mask`), a unit resident where `slot_of >= 0` or
+        `also_resident` (a bool mask of `num_units`: units read by other means, a guess) is set; `x` where
+        the mask is set and 0 elsewhere (fp32); the kept unit ids; those with `slot_of < 0`; and, written
+        into `unread_into` (a contiguous int64 CPU vector), those of them not `also_resident`. None where
+        the C library or this input cannot serve (the caller then takes the general path)."""
         library = _functions()
         function = None if library is None else library["units"].get(x.dtype)
         if function is None or not x.is_cpu or x.shape != self.mask.shape or x.stride(1) != 1:
@@ -133,6 +152,13 @@ class TopUnits:
             if not (also_resident.is_cpu and also_resident.is_contiguous()):
                 return None
             also = also_resident.data_ptr()
+        if unread_into is not None and not (
+            unread_into.dtype == torch.int64
+            and unread_into.dim() == 1
+            and unread_into.is_cpu
+            and unread_into.is_contiguous()
+        ):
+            raise ValueError("unread_into must be a contiguous 1-D int64 CPU tensor.")
         mask, coef, ids, miss_ids, missed = self._pointers
         kept = function(
             x.data_ptr(),
@@ -146,5 +172,15 @@ class TopUnits:
             ids,
             miss_ids,
             missed,
+            None if unread_into is None else unread_into.data_ptr(),
+            0 if unread_into is None else unread_into.numel(),
+            ctypes.addressof(self._unread),
         )
-        return self.mask, self.coef, self.ids[:kept], self.miss_ids[: self._missed.value]
+        unread = None
+        if unread_into is not None:
+            if self._unread.value < 0:
+                raise ValueError(
+                    f"unread_into holds {unread_into.numel()} ids, fewer than the units left to read."
+                )
+            unread = unread_into[: self._unread.value]
+        return Units(self.mask, self.coef, self.ids[:kept], self.miss_ids[: self._missed.value], unread)
