@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 import torch
 from conftest import NO_NATIVE_READER, needs_native_reader
 
+from flashlm.engine.io_thread import IOThread
 from flashlm.errors import FlashLMError, StoreCorruptError
 from flashlm.store import reader as reader_mod
 from flashlm.store.disk import supports_direct
@@ -517,6 +519,38 @@ def test_submitted_reads_run_in_the_background_and_land_in_place(direct_dir: Pat
         assert sum(d.bytes_read for d in done) == one_at_a_time[0] and all(d.seconds >= 0 for d in done)
     for (key, ids, _), matrix in zip(reads, matrices, strict=True):
         assert torch.equal(matrix[ids], (other if key == "b" else data)[ids])
+
+
+@needs_native_reader
+def test_only_waits_someone_waits_on_poll_before_sleeping(direct_dir: Path, monkeypatch) -> None:
+    """A wait polls for a read's end first (`WAIT_SPIN_S`, in flight requests only: the C side decides),
+    except on a thread marked `sleep_while_reading` (a runtime's I/O thread), which sleeps at once; the
+    rows land either way."""
+    f, data = make_file(direct_dir, 400, 1536)
+    library = reader_mod.native_reader()
+    budgets: list[tuple[str, int]] = []
+
+    class Recording:
+        def __getattr__(self, name):
+            function = getattr(library, name)
+            if name != "flashlm_reader_wait":
+                return function
+            return lambda *args: (
+                budgets.append((threading.current_thread().name, args[-1])),
+                function(*args),
+            )
+
+    monkeypatch.setattr(reader_mod, "native_reader", Recording)
+    ids = random_ids(400, 120, 3)
+    with StoreReader({"m": f}, direct_io=True, threads=2) as reader:
+        polled, slept = row_matrix(400, 1536, torch.bfloat16), row_matrix(400, 1536, torch.bfloat16)
+        reader.submit_in_place("m", ids, polled).result()
+        io = IOThread("test-io")
+        io.submit(lambda: reader.submit_in_place("m", ids, slept).result()).result(timeout=30)
+        io.shutdown()
+    assert budgets == [("MainThread", int(reader_mod.WAIT_SPIN_S * 1e9)), ("test-io", 0)]
+    assert budgets[0][1] > 0
+    assert torch.equal(polled[ids], data[ids]) and torch.equal(slept[ids], data[ids])
 
 
 @needs_native_reader

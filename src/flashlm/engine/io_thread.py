@@ -16,8 +16,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from ..store.reader import sleep_while_reading
+
 
 def _serve(tasks: queue.SimpleQueue) -> None:
+    sleep_while_reading()  # nothing computes while this thread waits for a read: it leaves the cores free
     while (task := tasks.get()) is not None:
         _run(*task)
         del task  # free the task's tensors now, not when the next task arrives

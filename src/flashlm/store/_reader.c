@@ -10,12 +10,14 @@
  *
  * A pool of threads made once per reader (`flashlm_reader_new`) serves the jobs in the order they were
  * submitted (`flashlm_reader_submit`, which returns at once), each thread claiming the next request, so
- * a thread the scheduler pauses delays only its own request; `flashlm_reader_wait` waits for a job.
+ * a thread the scheduler pauses delays only its own request; `flashlm_reader_wait` waits for a job,
+ * polling for its end for a while first once all its requests are in flight.
  * ctypes releases the GIL for each call, so a Python thread that submits and later waits runs no
  * Python in between on the reads' behalf.
  */
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
@@ -138,7 +140,7 @@ static void *worker(void *arg) {
         if (out[3] && !job->error) job->error = out[3];
         if (++job->finished == job->n_requests) {
             clock_gettime(CLOCK_MONOTONIC, &job->completed);
-            job->done = 1;
+            __atomic_store_n(&job->done, 1, __ATOMIC_RELEASE); /* a polling waiter reads it without the lock */
             pthread_cond_broadcast(&p->done);
         }
     }
@@ -218,11 +220,40 @@ Job *flashlm_reader_submit(Pool *p, int64_t fd, const int64_t *ids, int64_t n, i
     return job;
 }
 
-/* Wait for `job` (from `flashlm_reader_submit`) and free it. Sets stats = {bytes read, read calls, offset
- * of an early end of file or -1, errno or 0, nanoseconds from its first request's start to its last one's end}. */
-void flashlm_reader_wait(Pool *p, Job *job, int64_t *stats) {
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Poll `job` for its end for up to `spin_ns` nanoseconds, giving the core to any thread ready to run on it
+ * between polls; returns early when it is done. */
+static void poll_for(const Job *job, int64_t spin_ns) {
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (int64_t i = 1; !__atomic_load_n(&job->done, __ATOMIC_ACQUIRE); i++) {
+        cpu_relax();
+        if (i % 256 == 0) {
+            sched_yield();
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            if ((now.tv_sec - start.tv_sec) * 1000000000LL + (now.tv_nsec - start.tv_nsec) > spin_ns) return;
+        }
+    }
+}
+
+/* Wait for `job` (from `flashlm_reader_submit`) and free it. Where every request of the job is claimed
+ * already (its end is near), poll for it for up to `spin_ns` before sleeping. Sets stats = {bytes read, read calls, offset of an early end of file or -1, errno or 0,
+ * nanoseconds from its first request's start to its last one's end}. */
+void flashlm_reader_wait(Pool *p, Job *job, int64_t *stats, int64_t spin_ns) {
     pthread_mutex_lock(&p->lock);
     if (!job->done) wake(p); /* jobs queued without `start` */
+    if (!job->done && spin_ns > 0 && job->claimed == job->n_requests) {
+        pthread_mutex_unlock(&p->lock);
+        poll_for(job, spin_ns);
+        pthread_mutex_lock(&p->lock);
+    }
     while (!job->done) pthread_cond_wait(&p->done, &p->lock);
     pthread_mutex_unlock(&p->lock);
     stats[0] = job->bytes;

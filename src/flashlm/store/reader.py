@@ -93,6 +93,28 @@ up to `SPREAD_CHUNKS` times this (`StoreReader.request_bytes`)."""
 # requests either way.
 SPREAD_CHUNKS = 4
 """Largest request of a long in-place read, in chunks (`StoreReader.request_bytes`)."""
+# A thread that sleeps while its read finishes leaves its core idle; on a VM the idle vCPU halts, and
+# the products right after the wake-up run slower (README, `per_token_path.py`: "a core that slept").
+# Where every request of the read is in flight already, so that its end is near, the waiting thread
+# polls for it first, yielding the core to any thread ready to run on it between polls. At a 50% budget,
+# in one process on the 2-core AMD EPYC VM (benchmarks/alternate.py with a per-block switch in a /tmp
+# copy; SmolLM2 24 tokens a block, five blocks each; Qwen2.5-1.5B 8 tokens, five), against sleeping at
+# once: dense streaming 1.13x on SmolLM2 (default kernels), 1.30x (AVX2 kernels), 1.04x on Qwen2.5-1.5B
+# (1.01x with AVX2's); DIP-CA@0.6 1.08x on SmolLM2, 1.00x on Qwen2.5-1.5B. Polling whatever the read's
+# progress gained less (1.09x, 1.22x, 1.00x and 0.98x where both ran). Where the runtime's I/O thread,
+# which waits for reads off the decode's path, polled as well, Qwen2.5-1.5B's DIP-CA ran 0.95-0.99x:
+# a thread whose wait nobody waits on sleeps at once (`sleep_while_reading`).
+WAIT_SPIN_S = 500e-6
+"""How long a thread waiting for a read of the C pool whose requests are all in flight polls for its end
+before it sleeps."""
+_waits = threading.local()
+
+
+def sleep_while_reading() -> None:
+    """Have the calling thread sleep at once whenever it waits for a read, without polling first
+    (`WAIT_SPIN_S`): for background threads (a runtime's I/O thread), whose polling would take a core
+    from the thread that computes."""
+    _waits.sleep = True
 
 
 def break_even_gap_bytes(latency_s: float, bandwidth: float, alignment: int = ALIGNMENT) -> int:
@@ -155,7 +177,7 @@ def native_reader() -> ctypes.CDLL | None:
     library.flashlm_reader_free.restype = None
     library.flashlm_reader_submit.argtypes = [_P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _P, _I, _P]
     library.flashlm_reader_submit.restype = _P
-    library.flashlm_reader_wait.argtypes = [_P, _P, _P]
+    library.flashlm_reader_wait.argtypes = [_P, _P, _P, _I]
     library.flashlm_reader_wait.restype = None
     library.flashlm_plan_rows.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _P, _I]
     library.flashlm_plan_rows.restype = _I
@@ -255,7 +277,8 @@ class ReadDone:
 
 class PendingRead:
     """A `read_in_place` the C pool serves in the background (`StoreReader.submit_in_place`): `result()`
-    waits for it (with the GIL released) and raises what the read met. Every one is waited for, by its
+    waits for it (with the GIL released, polling first where its requests are all in flight:
+    `WAIT_SPIN_S`) and raises what the read met. Every one is waited for, by its
     owner or by `StoreReader.close`."""
 
     def __init__(self, reader: StoreReader, pool: int, job: int, f: RowFile) -> None:
@@ -276,7 +299,8 @@ class PendingRead:
         # a ctypes array, not numpy's `.ctypes`, which imports a module: a reader closed while Python
         # shuts down (its finalizer) waits here when imports fail
         stats = _WaitStats()
-        native_reader().flashlm_reader_wait(self._pool, self._job, stats)
+        spin_ns = 0 if getattr(_waits, "sleep", False) else int(WAIT_SPIN_S * 1e9)
+        native_reader().flashlm_reader_wait(self._pool, self._job, stats, spin_ns)
         nbytes, calls, eof_at, error, nanoseconds = stats
         self._reader._count(self, nbytes, calls)
         f = self._file
