@@ -140,7 +140,7 @@ static void *worker(void *arg) {
         if (out[3] && !job->error) job->error = out[3];
         if (++job->finished == job->n_requests) {
             clock_gettime(CLOCK_MONOTONIC, &job->completed);
-            __atomic_store_n(&job->done, 1, __ATOMIC_RELEASE); /* a polling waiter reads it without the lock */
+            __atomic_store_n(&job->done, 1, __ATOMIC_RELEASE); /* a polling waiter reads it unlocked */
             pthread_cond_broadcast(&p->done);
         }
     }
@@ -228,8 +228,8 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* Poll `job` for its end for up to `spin_ns` nanoseconds, giving the core to any thread ready to run on it
- * between polls; returns early when it is done. */
+/* Poll `job` for its end for up to `spin_ns` nanoseconds, giving the core to any thread ready to run on
+ * it between polls; returns early when it is done. */
 static void poll_for(const Job *job, int64_t spin_ns) {
     struct timespec start, now;
     clock_gettime(CLOCK_MONOTONIC, &start);
@@ -244,8 +244,9 @@ static void poll_for(const Job *job, int64_t spin_ns) {
 }
 
 /* Wait for `job` (from `flashlm_reader_submit`) and free it. Where every request of the job is claimed
- * already (its end is near), poll for it for up to `spin_ns` before sleeping. Sets stats = {bytes read, read calls, offset of an early end of file or -1, errno or 0,
- * nanoseconds from its first request's start to its last one's end}. */
+ * already (its end is near), poll for it for up to `spin_ns` before sleeping. Sets stats = {bytes read,
+ * read calls, offset of an early end of file or -1, errno or 0, nanoseconds from its first request's
+ * start to its last one's end}. */
 void flashlm_reader_wait(Pool *p, Job *job, int64_t *stats, int64_t spin_ns) {
     pthread_mutex_lock(&p->lock);
     if (!job->done) wake(p); /* jobs queued without `start` */
