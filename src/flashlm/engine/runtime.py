@@ -395,10 +395,11 @@ class FlashRuntime(Runtime):
             ]
             for kind in kinds
         }
-        self.top_units = {
-            kind: (TopUnits(store.row_file(0, kind).rows), TopUnits(store.row_file(0, kind).rows))
-            for kind in selection_kinds
-        }
+
+        def two_sets(kind: str) -> tuple[TopUnits, TopUnits]:
+            return TopUnits(store.row_file(0, kind).rows), TopUnits(store.row_file(0, kind).rows)
+
+        self.top_units = {kind: two_sets(kind) for kind in selection_kinds}
         """Each of the `selection_kinds`' two sets of buffers for a decode token's selection fused with its
         lookup (`SparseMLP._stage`), which the layers take in turn (`selection_units`)."""
         self._top_units_turn = dict.fromkeys(selection_kinds, 0)
@@ -408,10 +409,7 @@ class FlashRuntime(Runtime):
             kind: TokenColumns(store.row_file(0, kind).width, store.dtype) for kind in column_kinds
         }
         """The same for each of the `column_kinds`' decode products (`TokenColumns`)."""
-        self.guess_units = {
-            kind: (TopUnits(store.row_file(0, kind).rows), TopUnits(store.row_file(0, kind).rows))
-            for kind in guess_kinds
-        }
+        self.guess_units = {kind: two_sets(kind) for kind in guess_kinds}
         """The same for each of the `guess_kinds`' selections a layer ahead (`guess`), apart from
         `top_units` (the guessed layer's own selection reads the guess's mask), one set per staging buffer:
         a guess's ids and mask stay valid until the guess after next, when the layer it guessed for has
@@ -778,8 +776,8 @@ class FlashRuntime(Runtime):
         span: torch.Tensor | None = None,
     ) -> None:
         """`guess`, given the guess's `uncached` units and, where its selection ran fused with its lookup
-        (`guess_units[kind][buffer]`), the mask of every unit it `selected` and the buffer `uncached` head
-        (`Guess.span`). Their buffers must stay unchanged until the guessed layer has run."""
+        (`guess_units[kind][buffer]`), the mask of every unit it `selected` and the buffer whose head
+        `uncached` is (`Guess.span`). Their buffers must stay unchanged until the guessed layer has run."""
         self.take_guess(-1, kind)  # one guess at a time: an unclaimed one is waited for and dropped
         pending = self.submit(layer, kind, uncached, buffer)
         self._guess = Guess(layer, kind, buffer, uncached, pending, selected, span)
