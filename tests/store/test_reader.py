@@ -422,13 +422,41 @@ def test_native_and_python_reads_in_place_agree(direct_dir: Path, direct: bool, 
         matrix = row_matrix(500, 1536, torch.bfloat16)
         matrix.fill_(7.0)
         with StoreReader({"m": f}, direct_io=direct, threads=4, chunk_bytes=16384) as reader:
-            for seed in range(5):
-                reader.read_in_place("m", random_ids(500, 40 + 50 * seed, seed), matrix)
+            done = [
+                reader.read_in_place("m", random_ids(500, 40 + 50 * seed, seed), matrix) for seed in range(5)
+            ]
             results[path] = (matrix.clone(), reader.bytes_read, reader.reads_issued)
+        assert results[path][1:] == (sum(d.bytes_read for d in done), sum(d.reads for d in done))
     assert torch.equal(results["native"][0], results["python"][0])
     assert results["native"][1:] == results["python"][1:]
     wanted = torch.cat([random_ids(500, 40 + 50 * seed, seed) for seed in range(5)]).unique()
     assert torch.equal(results["native"][0][wanted], data[wanted])
+
+
+@needs_native_reader
+def test_a_read_in_place_returns_its_own_cost_when_another_finishes_meanwhile(
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader's counters count every read waited for, by any thread; what `read_in_place` returns is
+    its own read alone (the I/O thread's read, while the decode thread waits for one on the C pool)."""
+    f, _ = make_file(direct_dir, 500, 1536)
+    matrix = row_matrix(500, 1536, torch.bfloat16)
+    with StoreReader({"m": f}, direct_io=True, threads=4, chunk_bytes=16384) as reader:
+        alone = reader.read_in_place("m", random_ids(500, 60, 1), matrix)
+        assert alone.bytes_read == reader.bytes_read > 0 and alone.reads == reader.reads_issued
+        other = reader.submit_in_place("m", random_ids(500, 90, 2), matrix)
+        submit, finished = reader.submit_in_place, []
+
+        def submit_as_the_other_finishes(*args, **kwargs):
+            pending = submit(*args, **kwargs)
+            finished.append(other.result())
+            return pending
+
+        monkeypatch.setattr(reader, "submit_in_place", submit_as_the_other_finishes)
+        before = reader.bytes_read
+        again = reader.read_in_place("m", random_ids(500, 60, 1), matrix)
+        assert (again.bytes_read, again.reads) == (alone.bytes_read, alone.reads)
+        assert reader.bytes_read - before == again.bytes_read + finished[0].bytes_read > again.bytes_read
 
 
 def test_read_in_place_checks_the_ids(direct_dir: Path, in_place_path: str) -> None:

@@ -593,17 +593,9 @@ class FlashRuntime(Runtime):
         whatever device `ids` are on (`Fetch.to` moves it)."""
         staging = self.staging[kind][buffer]
         ids = ids.cpu()
-        bytes_before, reads_before = self.reader.bytes_read, self.reader.reads_issued
         started = perf_counter()
-        if ids.numel():
-            self.reader.read_in_place((layer, kind), ids, staging)
-        return Fetch(
-            ids,
-            staging,
-            self.reader.bytes_read - bytes_before,
-            self.reader.reads_issued - reads_before,
-            perf_counter() - started,
-        )
+        done = self.reader.read_in_place((layer, kind), ids, staging)
+        return Fetch(ids, staging, done.bytes_read, done.reads, perf_counter() - started)
 
     def update_caches(self, layer: int, kinds: tuple[str, ...], updates: list[CacheUpdate]) -> None:
         """Run `layer`'s cache `updates` (one per kind of `kinds`: admission and eviction, row copies that

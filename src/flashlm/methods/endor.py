@@ -149,12 +149,10 @@ class EndorRuntime(Runtime):
     def _read(self, layer: int, buffer: int) -> tuple[torch.Tensor, int, int, float, float]:
         """On the I/O thread: layer `layer`'s data region into staging buffer `buffer`; returns it, the
         bytes and requests read, and when the read started and ended."""
-        nbytes, reads = self.reader.bytes_read, self.reader.reads_issued
         started = perf_counter()
-        self.reader.read_all(layer, self._staging[buffer])
+        done = self.reader.read_all(layer, self._staging[buffer])
         data = self._staging[buffer][: self.store.layers[layer].data_bytes]
-        nbytes, reads = self.reader.bytes_read - nbytes, self.reader.reads_issued - reads
-        return data, nbytes, reads, started, perf_counter()
+        return data, done.bytes_read, done.reads, started, perf_counter()
 
     def _submit(self, layer: int) -> tuple[Future, int]:
         buffer = self._next_buffer

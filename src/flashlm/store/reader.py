@@ -32,6 +32,7 @@ from collections.abc import Hashable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from time import perf_counter
 
 import numpy as np
 import torch
@@ -568,7 +569,7 @@ class StoreReader:
         per_thread = -(-nbytes // (self.threads * ALIGNMENT)) * ALIGNMENT
         return min(max(self.chunk_bytes, per_thread), SPREAD_CHUNKS * self.chunk_bytes)
 
-    def read_in_place(self, key: Hashable, ids: torch.Tensor, matrix: torch.Tensor) -> None:
+    def read_in_place(self, key: Hashable, ids: torch.Tensor, matrix: torch.Tensor) -> ReadDone:
         """Fill row `ids[k]` of `matrix` with row `ids[k]` of `files[key]`, straight from the disk: the
         planned runs (coalesced and merged as `read` plans them) land at their own rows, with no I/O
         buffer and no gather (LLM in a flash's preallocated matrix, filled in place).
@@ -577,13 +578,16 @@ class StoreReader:
         rows of `matrix` inside a merged gap, and with O_DIRECT the bytes the aligned run shares with
         its neighbour rows (and the spare block after the matrix), receive the file's bytes for those
         rows: they hold this file's rows or what they held before, never anything else.
+
+        Returns what this read cost (the reader's counters, `bytes_read` and `reads_issued`, also count
+        the reads other threads finish meanwhile).
         """
         pending = self.submit_in_place(key, ids, matrix)
         if pending is not None:
-            pending.result()
-            return
-        if len(ids):
-            self._read_in_place_in_python(key, ids, matrix)
+            return pending.result()
+        if not len(ids):
+            return ReadDone(0, 0, 0.0)
+        return self._read_in_place_in_python(key, ids, matrix)
 
     def submit_in_place(
         self, key: Hashable, ids: torch.Tensor, matrix: torch.Tensor, *, start: bool = True
@@ -643,7 +647,7 @@ class StoreReader:
             self.bytes_read += nbytes
             self.reads_issued += calls
 
-    def _read_in_place_in_python(self, key: Hashable, ids: torch.Tensor, matrix: torch.Tensor) -> None:
+    def _read_in_place_in_python(self, key: Hashable, ids: torch.Tensor, matrix: torch.Tensor) -> ReadDone:
         """`read_in_place` without the C library: planned in numpy, read by the Python thread pool."""
         f = self.files[key]
         plan = plan_reads(
@@ -671,7 +675,7 @@ class StoreReader:
             )
         )
         with self._lock:
-            self._issue(self._fds[key], f, requests, view)
+            return self._issue(self._fds[key], f, requests, view)
 
     def _native_pool(self) -> int | None:
         """This process's C reader pool, made on first use (a forked child makes its own: threads do not
@@ -688,12 +692,13 @@ class StoreReader:
                     self._native = (os.getpid(), handle)
         return self._native[1]
 
-    def read_all(self, key: Hashable, out: torch.Tensor) -> None:
+    def read_all(self, key: Hashable, out: torch.Tensor) -> ReadDone:
         """Read every row of `files[key]` straight into `out`, with no intermediate buffer or copy.
 
         For callers that read whole files every time (an Endor layer per token): `out` is a
         contiguous CPU uint8 tensor of at least the file's bytes rounded up to `ALIGNMENT`, and, for
-        O_DIRECT, starts at a page-aligned address (allocate it with `aligned_buffer`).
+        O_DIRECT, starts at a page-aligned address (allocate it with `aligned_buffer`). Returns what the
+        read cost.
         """
         if self._closed:
             raise ValueError("This StoreReader is closed.")
@@ -709,13 +714,14 @@ class StoreReader:
             for pos, size in zip(positions.tolist(), sizes.tolist(), strict=True)
         ]
         with self._lock:
-            self._issue(self._fds[key], f, requests, memoryview(out.numpy()))
+            return self._issue(self._fds[key], f, requests, memoryview(out.numpy()))
 
     def _issue(
         self, fd: int, f: RowFile, requests: list[tuple[int, int, int, int]], view: memoryview | None = None
-    ) -> None:
+    ) -> ReadDone:
         """Run the requests into `view` (default: the I/O buffer), spread round-robin over the pool;
-        update the counters."""
+        update the counters and return what these requests cost."""
+        started = perf_counter()
         view = self._view if view is None else view
         if self._pool is None or len(requests) == 1:
             done = [self._read_requests(fd, f, requests, view)]
@@ -724,8 +730,10 @@ class StoreReader:
             futures = [self._pool.submit(self._read_requests, fd, f, group, view) for group in groups]
             wait(futures)  # every worker done with the buffer before any error propagates
             done = [future.result() for future in futures]
-        self.bytes_read += sum(nbytes for nbytes, _ in done)
-        self.reads_issued += sum(calls for _, calls in done)
+        nbytes, calls = sum(nbytes for nbytes, _ in done), sum(calls for _, calls in done)
+        self.bytes_read += nbytes
+        self.reads_issued += calls
+        return ReadDone(nbytes, calls, perf_counter() - started)
 
     def _read_requests(
         self, fd: int, f: RowFile, requests: list[tuple[int, int, int, int]], view: memoryview
