@@ -475,6 +475,29 @@ def test_read_ahead_changes_nothing_but_the_reads(options, tiny_llama) -> None:
     assert totals_ahead["bytes_read"] >= totals["bytes_read"] > 0
 
 
+@pytest.mark.parametrize("options", [{"cache_aware": 1.0}, {"cache_aware": 0.2}])
+def test_caches_that_hold_every_unit_read_each_unit_once(options, tiny_llama) -> None:
+    """Where every cache of a kind holds every unit, that kind is not read ahead whole: each unit is read
+    when first selected and kept. Read ahead, the units no token selected were read again at every
+    token. Short of that, reading ahead stays as asked."""
+    path, _, store = tiny_llama
+    options = {"method": "dip", "density": 0.6, "read_ahead": True, **options}
+    assert streaming_mlps(load(path, store, cached=0.35, **options))[0].runtime.read_ahead == ("dip_in",)
+    model = load(path, store, cached=2.0, **options)
+    modules = streaming_mlps(model)
+    assert modules[0].runtime.read_ahead == () and not any(module.guesses_ahead for module in modules)
+    # a one-token prompt: a prefill of many tokens would read and keep about every unit
+    model.generate(torch.tensor([[17]]), max_new_tokens=16, do_sample=False, pad_token_id=0)
+    modules[0].runtime.drain()
+    stats = flashlm.stats(model)
+    caches = [cache for module in modules for cache in module.caches()]
+    assert all(cache.capacity >= cache.num_units for cache in caches) and stats.totals()["evictions"] == 0
+    assert stats.totals()["misses"] == sum(cache.size for cache in caches) > 0  # every unit read was kept
+    steps = stats.per_step()
+    assert all((step["bytes_read"] > 0) == (step["misses"] > 0) for step in steps)
+    assert sum(step["misses"] == 0 for step in steps) >= 3  # steps that read nothing (all 100 KB before)
+
+
 @pytest.mark.parametrize("gamma", [1.0, 0.2])
 def test_guessed_reads_are_counted_and_change_plain_dip_not_at_all(gamma, tiny_llama, monkeypatch) -> None:
     """Where DIP-CA does not read every input ahead, a decode step reads ahead the inputs the next layer

@@ -384,7 +384,8 @@ class FlashRuntime(Runtime):
         self.layer_mlp_bytes = (3 if store.gated else 2) * store.d_model * store.d_ff * store.dtype.itemsize
         """Bytes of one layer's dense MLP weights: what a token uses at density 1."""
         self.read_ahead = read_ahead
-        """The kinds whose next layer is read while this layer computes, into the other of two buffers."""
+        """The kinds whose next layer is read while this layer computes, into the other of two buffers (a
+        sparse method's, but those whose caches hold every unit: see below)."""
         pinned = pin_for_gpu()
         self.staging = {
             kind: [
@@ -433,6 +434,17 @@ class FlashRuntime(Runtime):
             read_cost=self._filling_order(split, row_files),
             unit_values=unit_values,
         )
+        if not dense:
+            # A kind whose caches hold every unit reads each unit when first selected and keeps it: read
+            # ahead whole, the units no token selects would be read again at every token.
+            self.read_ahead = tuple(
+                kind
+                for kind in read_ahead
+                if any(
+                    self.capacities[(layer, kind)] < row_files[(layer, kind)].rows
+                    for layer in range(self.num_layers)
+                )
+            )
         self.hot_set: Placement | None = None
         """The pinned units of every cache (`FlashConfig.hot_share`), in the order of `_cache_keys`."""
         self.hot_set_summary: dict[str, float] = {}
@@ -448,7 +460,7 @@ class FlashRuntime(Runtime):
         """0, 1, 2, ...: sliced for 'every unit of a layer' instead of allocating a range per step."""
         self._nothing = {
             (buffer, kinds): self._finished({kind: self._empty_fetch(kind, buffer) for kind in kinds})
-            for kinds in {read_ahead, self.kinds}
+            for kinds in {self.read_ahead, self.kinds}
             for buffer in range(2)
         }
         """Finished reads of nothing, for layers whose caches hold every unit (no I/O thread hop)."""

@@ -641,7 +641,7 @@ class DIPMLP(DIPSelection, SparseMLP):
         super().__init__(*args, **kwargs)
         self.k_in = k_in
         self.input_threshold = input_threshold
-        self.guesses_ahead = self.guesses(self.runtime.config, self.runtime.read_ahead)
+        self.guesses_ahead = self.INPUT_KIND in self.runtime.guess_units  # `guesses`, as `make_runtime` asked
 
     @classmethod
     def guesses(cls, config: FlashConfig, read_ahead: tuple[str, ...]) -> bool:
