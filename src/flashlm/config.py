@@ -160,7 +160,10 @@ class FlashConfig(QuantizationConfigMixin):
             or gate rows) the next layer's predictor names for this layer's input. It costs a second
             predictor evaluation per layer and reads some units the next layer does not name: measured
             in the decode harness at a 50% budget it made relufied SmolLM2 8-28% faster and relufied
-            Qwen2.5-1.5B about 9% slower, so it is not the default.
+            Qwen2.5-1.5B about 9% slower, so it is not the default. A sparse method's kind whose caches
+            hold every unit (a budget that fits it whole) is never read ahead whole: each unit is read
+            when first selected and kept, where reading ahead would read the never-selected ones again
+            at every token.
         sequential_prefill: compute a multi-token forward exactly as that many one-token decode
             steps would (cache-aware masks see the cache evolve token by token) instead of masking
             every token against the cache as it was when the forward began. Slower; the perplexity
