@@ -15,6 +15,7 @@ import flashlm
 from flashlm.arch import find_mlps, model_type_of, spec_for
 from flashlm.errors import BudgetTooSmallError, ConfigError, StoreMismatchError
 from flashlm.methods import PredictorMLP
+from flashlm.methods import predictor as predictor_module
 from flashlm.methods.predictor import PredictedGatesMLP
 from flashlm.patching import streaming_mlps
 from flashlm.predictors import LowRankPredictor, Predictors
@@ -323,3 +324,33 @@ def test_under_transformers_loader_the_predictors_are_read_once(tmp_path, monkey
         loaded = module.predictor.state_dict()
         assert all(torch.equal(loaded[key], value) for key, value in predictor.state_dict().items())
         assert not any(p.is_meta for p in module.predictor.parameters())
+
+
+@pytest.mark.parametrize("method", ["predictor", "predictor-gate"])
+def test_a_guess_times_its_selection_as_selection_and_its_read_as_submission(method, tmp_path, monkeypatch):
+    """The next layer's predictor, evaluated for a guess, is a selection; handing the guess's read to the
+    runtime (its lookup and submission) is a read submission: each goes to its own column (`select_s`,
+    `submit_s`). Timed here by a clock that moves only while a guess's read is handed over."""
+    model, path = relu_checkpoint("llama", tmp_path)
+    store = flashlm.convert(path, tmp_path / "store", progress=False)
+    exact_predictors(model, threshold_logit=-0.05).save(store.path)
+    patched = load(path, store.path, method, density=0.6, cache_split="size", read_ahead=True)
+    runtime = streaming_mlps(patched)[0].runtime
+    clock, guesses = [0.0], []
+    monkeypatch.setattr(predictor_module, "perf_counter", lambda: clock[0])
+
+    def one_second_to_submit(*args, guess=runtime.guess, **kwargs):
+        guesses.append(args)
+        clock[0] += 1.0
+        return guess(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "guess", one_second_to_submit)
+    ids = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        patched.generate(ids, max_new_tokens=4, do_sample=False)
+    runtime.drain()
+    totals = flashlm.stats(patched).totals()
+    assert len(guesses) == 3 * (
+        len(streaming_mlps(patched)) - 1
+    )  # every decode step, every layer but the last
+    assert (totals["submit_s"], totals["select_s"]) == (len(guesses), 0.0)

@@ -498,6 +498,32 @@ def test_caches_that_hold_every_unit_read_each_unit_once(options, tiny_llama) ->
     assert sum(step["misses"] == 0 for step in steps) >= 3  # steps that read nothing (all 100 KB before)
 
 
+def test_a_guess_times_its_selection_as_selection_and_its_read_as_submission(tiny_llama, monkeypatch) -> None:
+    """DIP-CA's guess of the next layer's units is a selection, and handing its read to the runtime a read
+    submission: each goes to its own column (`select_s`, `submit_s`). Timed here by a clock that moves
+    only while a guess's read is handed over."""
+    path, _, store = tiny_llama
+    monkeypatch.setattr(sparse_module, "reads_ahead", lambda config, store, calibration: False)
+    model = load(path, store, method="dip", density=0.6, cache_aware=0.2)
+    runtime = streaming_mlps(model)[0].runtime
+    assert all(module.guesses_ahead for module in streaming_mlps(model))
+    clock, guesses = [0.0], []
+    monkeypatch.setattr(sparse_module, "perf_counter", lambda: clock[0])
+
+    def one_second_to_submit(*args, guess=runtime.guess_uncached, **kwargs):
+        guesses.append(args)
+        clock[0] += 1.0
+        return guess(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "guess_uncached", one_second_to_submit)
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(17))
+    model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    runtime.drain()
+    totals = flashlm.stats(model).totals()
+    assert len(guesses) == 3 * (len(streaming_mlps(model)) - 1)  # every decode step, every layer but the last
+    assert (totals["submit_s"], totals["select_s"]) == (len(guesses), 0.0)
+
+
 @pytest.mark.parametrize("gamma", [1.0, 0.2])
 def test_guessed_reads_are_counted_and_change_plain_dip_not_at_all(gamma, tiny_llama, monkeypatch) -> None:
     """Where DIP-CA does not read every input ahead, a decode step reads ahead the inputs the next layer

@@ -200,12 +200,13 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
         """What the layer before read for this layer's first round (`_guess_ahead`), if anything."""
         return self.runtime.take_guess(self.layer, kind) if self.guesses_ahead else None
 
-    def _guess_ahead(self, x: torch.Tensor, kind: str, taken: Guess | None) -> Callable[[], None] | None:
+    def _guess_ahead(self, x: torch.Tensor, kind: str, taken: Guess | None) -> Callable[[], float] | None:
         """For one token, the start of the next layer's guess: a read of the units of `kind` the next
         layer's predictor names for `x`, into the staging buffer this layer's first round does not use.
         The residual stream changes little from one layer to the next, so most of them will be named
         there (DIP's layer-ahead read; DejaVu's observation that activations can be predicted a layer
-        early). A guess only reads early: a layer computes what its own predictor names."""
+        early). A guess only reads early: a layer computes what its own predictor names. The callable
+        returns the seconds it spent looking the units up and submitting their read."""
         if not self.guesses_ahead or x.shape[0] != 1:
             return None
         following = self.layer + 1
@@ -213,7 +214,14 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
         if select is None:  # the last layer: the next token's first layer sees a new embedding
             return None
         buffer = 1 - (0 if taken is None else taken.buffer)
-        return lambda: self.runtime.guess(following, kind, union_ids(select(x)), buffer)
+
+        def guess() -> float:
+            ids = union_ids(select(x))
+            started = perf_counter()
+            self.runtime.guess(following, kind, ids, buffer)
+            return perf_counter() - started
+
+        return guess
 
     def _round(
         self,
@@ -224,7 +232,7 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
         times: StageTimes,
         *,
         taken: Guess | None = None,
-        then: Callable[[], None] | None = None,
+        then: Callable[[], float] | None = None,
     ) -> CacheUpdate:
         """Look up and read the units `ids` of `kind`, calling `compute(rows, ids, index)` on the cached ones
         (overlapping the read) and then on the read ones, the row of unit `ids[k]` being `rows[index[k]]`.
@@ -243,8 +251,7 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
         else:
             pending = runtime.submit_after(taken, *taken.completion(miss_ids))
         submitted = perf_counter()
-        if then is not None:
-            then()
+        guess_submit_s = then() if then is not None else 0.0
         guessed = perf_counter()
         if hit_ids.numel():
             compute(cache.rows, hit_ids, hit_slots)
@@ -255,8 +262,9 @@ class PredictedNeuronsMLP(PredictorSelection, FlashMLP):
             compute(fetched.matrix, miss_ids, miss_ids)  # the staging rows are by unit
         done = perf_counter()
         times.lookup_s += looked_up - started
-        times.submit_s += submitted - looked_up
-        times.select_s += guessed - submitted  # the guess is a selection
+        # the guess's selection is a selection, its lookup and read's submission a submission
+        times.submit_s += submitted - looked_up + guess_submit_s
+        times.select_s += guessed - submitted - guess_submit_s
         times.io_s += read - waiting
         times.compute_s += (waiting - guessed) + (done - read)
         times.io_busy_s += fetched.busy_s

@@ -446,11 +446,13 @@ class SparseMLP(Selection, FlashMLP):
         else:
             pending = runtime.submit(layer, kind, miss_ids)
         submitted = perf_counter()
+        guess_submit_s = 0.0
         if kind == self.INPUT_KIND and self.guesses_ahead and values.shape[0] == 1:
-            self._guess_next_layer(values, 1 - (0 if guess is None else guess.buffer))
-        times.select_s += selected - started + perf_counter() - submitted  # the guess is a selection
+            guess_submit_s = self._guess_next_layer(values, 1 - (0 if guess is None else guess.buffer))
+        # the guess's selection is a selection, its read's submission a submission
+        times.select_s += selected - started + perf_counter() - submitted - guess_submit_s
         times.lookup_s += looked_up - selected
-        times.submit_s += submitted - looked_up
+        times.submit_s += submitted - looked_up + guess_submit_s
         self._count_used(times, kind, cache, values.shape[0], mask, ids)
         whole = runtime.unit_ids[: cache.num_units] if early is not None else None
         parts = _Parts(
@@ -466,14 +468,16 @@ class SparseMLP(Selection, FlashMLP):
 
         return Selected(mask, coef), parts, finish
 
-    def _guess_next_layer(self, x: torch.Tensor, buffer: int) -> None:
+    def _guess_next_layer(self, x: torch.Tensor, buffer: int) -> float:
         """Start reading the input units the next layer would select for this layer's input `x`, into the
         staging buffer this layer does not use (DIP's layer-ahead read). The residual stream changes
         little from one layer to the next, so most of them will be selected there (and with cache-aware
-        selection, the units read this way count as resident, which pulls the selection towards them)."""
+        selection, the units read this way count as resident, which pulls the selection towards them).
+        Returns the seconds spent handing the read to the runtime (its lookup, where not fused with the
+        selection, and submission)."""
         runtime, following = self.runtime, self.layer + 1
         if following == runtime.num_layers:
-            return  # the next token's first layer sees a new embedding: nothing to guess from
+            return 0.0  # the next token's first layer sees a new embedding: nothing to guess from
         runtime.settle(following, self.INPUT_KIND)
         cache = runtime.caches[(following, self.INPUT_KIND)]
         topk, guess_units = self.input_topk(), runtime.guess_units.get(self.INPUT_KIND)
@@ -481,13 +485,16 @@ class SparseMLP(Selection, FlashMLP):
             units = guess_units[buffer]  # unchanged until the guess after next, when its layer has run
             fused = units(x, topk.k, cache.slot_of, self._fused_gamma(topk))
             if fused is not None:
+                started = perf_counter()
                 runtime.guess_uncached(
                     following, self.INPUT_KIND, fused.misses, buffer, fused.mask, span=units.miss_ids
                 )
-                return
+                return perf_counter() - started
         mask = self.select_input(x, self._residency(cache))
         ids = runtime.unit_ids[: cache.num_units] if mask is None else union_ids(mask)
+        started = perf_counter()
         runtime.guess(following, self.INPUT_KIND, ids, buffer)
+        return perf_counter() - started
 
     def _sequential_stage(self, kind, cache: NeuronCache, select, values: torch.Tensor, times: StageTimes):
         """Read the whole matrix, then select and update the cache token by token, as decoding would."""
