@@ -437,11 +437,12 @@ class FlashRuntime(Runtime):
         if not dense:
             # A kind whose caches hold every unit reads each unit when first selected and keeps it: read
             # ahead whole, the units no token selects would be read again at every token.
+            capacities = self.capacities
             self.read_ahead = tuple(
                 kind
                 for kind in read_ahead
                 if any(
-                    self.capacities[(layer, kind)] < row_files[(layer, kind)].rows
+                    capacities[(layer, kind)] < row_files[(layer, kind)].rows
                     for layer in range(self.num_layers)
                 )
             )
