@@ -325,6 +325,22 @@ def smollm2_store(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 # --------------------------------------------------------------------------------------------------
 
 
+def clock_moving_in(monkeypatch: pytest.MonkeyPatch, module, owner, name: str) -> list[tuple]:
+    """Make `module.perf_counter` a clock that moves one second during each call of `owner.<name>` and at
+    no other time; returns the list the calls' positional arguments are recorded in, as they come."""
+    clock, calls = [0.0], []
+    monkeypatch.setattr(module, "perf_counter", lambda: clock[0])
+    original = getattr(owner, name)
+
+    def one_second(*args, **kwargs):
+        calls.append(args)
+        clock[0] += 1.0
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, one_second)
+    return calls
+
+
 def record_tensor_reads(monkeypatch: pytest.MonkeyPatch, module) -> list[str]:
     """The keys of the tensors read through `module.safe_open` from now on (every `get_tensor`, and every
     read through `get_slice`; a slice's shape and dtype are not reads), recorded in the returned list."""

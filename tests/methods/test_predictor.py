@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import record_tensor_reads, tiny_config
+from conftest import clock_moving_in, record_tensor_reads, tiny_config
 from safetensors.torch import load_file
 
 import flashlm
@@ -335,22 +335,12 @@ def test_a_guess_times_its_selection_as_selection_and_its_read_as_submission(met
     store = flashlm.convert(path, tmp_path / "store", progress=False)
     exact_predictors(model, threshold_logit=-0.05).save(store.path)
     patched = load(path, store.path, method, density=0.6, cache_split="size", read_ahead=True)
-    runtime = streaming_mlps(patched)[0].runtime
-    clock, guesses = [0.0], []
-    monkeypatch.setattr(predictor_module, "perf_counter", lambda: clock[0])
-
-    def one_second_to_submit(*args, guess=runtime.guess, **kwargs):
-        guesses.append(args)
-        clock[0] += 1.0
-        return guess(*args, **kwargs)
-
-    monkeypatch.setattr(runtime, "guess", one_second_to_submit)
+    guesses = clock_moving_in(monkeypatch, predictor_module, streaming_mlps(patched)[0].runtime, "guess")
     ids = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         patched.generate(ids, max_new_tokens=4, do_sample=False)
-    runtime.drain()
+    streaming_mlps(patched)[0].runtime.drain()
     totals = flashlm.stats(patched).totals()
-    assert len(guesses) == 3 * (
-        len(streaming_mlps(patched)) - 1
-    )  # every decode step, every layer but the last
+    # every decode step, every layer but the last
+    assert len(guesses) == 3 * (len(streaming_mlps(patched)) - 1)
     assert (totals["submit_s"], totals["select_s"]) == (len(guesses), 0.0)

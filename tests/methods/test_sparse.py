@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build_tiny_model, needs_native_reader, tiny_config
+from conftest import build_tiny_model, clock_moving_in, needs_native_reader, tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
@@ -507,20 +507,13 @@ def test_a_guess_times_its_selection_as_selection_and_its_read_as_submission(tin
     model = load(path, store, method="dip", density=0.6, cache_aware=0.2)
     runtime = streaming_mlps(model)[0].runtime
     assert all(module.guesses_ahead for module in streaming_mlps(model))
-    clock, guesses = [0.0], []
-    monkeypatch.setattr(sparse_module, "perf_counter", lambda: clock[0])
-
-    def one_second_to_submit(*args, guess=runtime.guess_uncached, **kwargs):
-        guesses.append(args)
-        clock[0] += 1.0
-        return guess(*args, **kwargs)
-
-    monkeypatch.setattr(runtime, "guess_uncached", one_second_to_submit)
+    guesses = clock_moving_in(monkeypatch, sparse_module, runtime, "guess_uncached")
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(17))
     model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     runtime.drain()
     totals = flashlm.stats(model).totals()
-    assert len(guesses) == 3 * (len(streaming_mlps(model)) - 1)  # every decode step, every layer but the last
+    # every decode step, every layer but the last
+    assert len(guesses) == 3 * (len(streaming_mlps(model)) - 1)
     assert (totals["submit_s"], totals["select_s"]) == (len(guesses), 0.0)
 
 
