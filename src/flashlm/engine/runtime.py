@@ -383,9 +383,6 @@ class FlashRuntime(Runtime):
         self.d_model = store.d_model
         self.layer_mlp_bytes = (3 if store.gated else 2) * store.d_model * store.d_ff * store.dtype.itemsize
         """Bytes of one layer's dense MLP weights: what a token uses at density 1."""
-        self.read_ahead = read_ahead
-        """The kinds whose next layer is read while this layer computes, into the other of two buffers (a
-        sparse method's, but those whose caches hold every unit: see below)."""
         pinned = pin_for_gpu()
         self.staging = {
             kind: [
@@ -434,18 +431,18 @@ class FlashRuntime(Runtime):
             read_cost=self._filling_order(split, row_files),
             unit_values=unit_values,
         )
-        if not dense:
-            # A kind whose caches hold every unit reads each unit when first selected and keeps it: read
-            # ahead whole, the units no token selects would be read again at every token.
-            capacities = self.capacities
-            self.read_ahead = tuple(
-                kind
-                for kind in read_ahead
-                if any(
-                    capacities[(layer, kind)] < row_files[(layer, kind)].rows
-                    for layer in range(self.num_layers)
-                )
+        capacities = self.capacities
+        self.read_ahead = tuple(
+            kind
+            for kind in read_ahead
+            if dense
+            or any(
+                capacities[(layer, kind)] < row_files[(layer, kind)].rows for layer in range(self.num_layers)
             )
+        )
+        """The kinds whose next layer is read while this layer computes, into the other of two buffers. Not a
+        sparse method's kind whose caches hold every unit: it reads each unit when first selected and keeps
+        it, where reading ahead whole would read the units no token selects again at every token."""
         self.hot_set: Placement | None = None
         """The pinned units of every cache (`FlashConfig.hot_share`), in the order of `_cache_keys`."""
         self.hot_set_summary: dict[str, float] = {}

@@ -582,11 +582,11 @@ class StoreReader:
         Returns what this read cost (the reader's counters, `bytes_read` and `reads_issued`, also count
         the reads other threads finish meanwhile).
         """
+        if not len(ids):
+            return ReadDone(0, 0, 0.0)  # no job for the pool to queue and finish
         pending = self.submit_in_place(key, ids, matrix)
         if pending is not None:
             return pending.result()
-        if not len(ids):
-            return ReadDone(0, 0, 0.0)
         return self._read_in_place_in_python(key, ids, matrix)
 
     def submit_in_place(
