@@ -7,8 +7,10 @@ plain transformers; `torch_threads=N` sets `torch.set_num_threads` for the varia
 variant loads its own model and keeps its own generation state. Printed per block and
 summarized by the median: tokens/s (and against the first variant), and for flashlm variants the I/O
 wait, selection, cache bookkeeping (lookup, read submission, admission), compute and MB read per token
-from `flashlm.stats`; the last column says whether the variant decoded the first variant's greedy
-tokens.
+from `flashlm.stats`. Every variant's MLP modules are timed by forward hooks (`per_token_path.MLPTimer`);
+where a `ram` variant runs, each flashlm variant's compute is also given over the first `ram` variant's
+MLP time, beside its bookkeeping over its compute (issue 14's targets, measured in one process). The
+last column says whether the variant decoded the first variant's greedy tokens.
 
     python benchmarks/alternate.py --model smollm2-135m --base memory_budget=50% \\
         --variant cache_split=read-cost --variant cache_split=in-order
@@ -26,15 +28,12 @@ import time
 from typing import Any
 
 import torch
+from per_token_path import PROMPT, MLPTimer  # benchmarks/ is the script's directory, first on sys.path
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import flashlm
 from flashlm.data.models import model_path
 
-PROMPT = (
-    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
-    "combined movable metal type, oil-based ink and a wooden screw press. Explain why this mattered."
-)
 THREADS = "torch_threads"
 
 
@@ -72,6 +71,7 @@ class Variant:
         self.ram = options.pop("ram", False)
         self.options = options
         self.model = self.out = None
+        self.mlp_timer: MLPTimer | None = None
         self.tokens: list[int] = []
         self.blocks: list[dict[str, float]] = []
 
@@ -81,6 +81,7 @@ class Variant:
         else:
             config = flashlm.FlashConfig(**self.options)
             self.model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
+        self.mlp_timer = MLPTimer(self.model, "cpu")
         with torch.inference_mode():
             self.out = self.model(input_ids=ids, use_cache=True)
             for _ in range(3):  # warm-up: caches fill, the read-ahead settles
@@ -95,10 +96,12 @@ class Variant:
         torch.set_num_threads(self.threads or default_threads)
         if not self.ram:
             flashlm.stats(self.model, reset=True)
+        self.mlp_timer.seconds = 0.0
         with torch.inference_mode():
             started = time.perf_counter()
             self.tokens += [self.step() for _ in range(tokens)]
             block = {"tok_s": tokens / (time.perf_counter() - started)}
+        block["mlp_ms"] = 1e3 * self.mlp_timer.seconds / tokens
         if not self.ram:
             totals = flashlm.stats(self.model).totals(decode_only=True)
             block["io_ms"] = 1e3 * totals["io_s_per_step"]
@@ -127,19 +130,25 @@ def table(variants: list[Variant]) -> str:
         return "—" if value is None else format(value, fmt)
 
     first = variants[0]
+    ram = next((variant for variant in variants if variant.ram), None)
     lines = [
-        "| variant | tok/s per block | median tok/s | x first | I/O wait ms | select ms | cache ms "
-        "| compute ms | MB read | tokens = first |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | tok/s per block | median tok/s | x first | MLP ms (hooks) | I/O wait ms | select ms "
+        "| cache ms | compute ms | compute / ram MLP | cache / compute | MB read | tokens = first |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for variant in variants:
         blocks = " / ".join(f"{block['tok_s']:.2f}" for block in variant.blocks)
         tok_s = variant.median("tok_s")
+        compute = variant.median("compute_ms")
+        over_ram = None if ram is None or compute is None else compute / ram.median("mlp_ms")
+        bookkeeping = None if compute is None else variant.median("cache_ms") / compute
         lines.append(
             f"| {variant.label} | {blocks} | {tok_s:.2f} | {tok_s / first.median('tok_s'):.2f} "
+            f"| {variant.median('mlp_ms'):.1f} "
             f"| {cell(variant.median('io_ms'), '.1f')} | {cell(variant.median('select_ms'), '.1f')} "
             f"| {cell(variant.median('cache_ms'), '.1f')} "
-            f"| {cell(variant.median('compute_ms'), '.1f')} | {cell(variant.median('mb'), '.1f')} "
+            f"| {cell(compute, '.1f')} | {cell(over_ram, '.2f')} | {cell(bookkeeping, '.1%')} "
+            f"| {cell(variant.median('mb'), '.1f')} "
             f"| {'yes' if variant.tokens == first.tokens else 'no'} |"
         )
     return "\n".join(lines)
