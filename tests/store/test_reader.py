@@ -634,6 +634,24 @@ def test_reads_queued_without_waking_the_threads_still_run(direct_dir: Path) -> 
 
 
 @needs_native_reader
+def test_a_read_woken_by_one_thread_is_served_by_several(direct_dir: Path) -> None:
+    """A submission wakes one sleeping thread, which wakes the next as it takes a request: a read of many
+    requests still brings the pool's threads in, and lands whole."""
+    f, data = make_file(direct_dir, 2048, 1536)
+    matrix = row_matrix(2048, 1536, torch.bfloat16)
+    with StoreReader({0: f}, direct_io=True, threads=4, chunk_bytes=16384) as reader:
+        reader.read_in_place(0, torch.arange(4), matrix)  # one request: one thread
+        pool, library = reader._native_pool(), reader_mod.native_reader()
+        assert library.flashlm_reader_peak_serving(pool) == 1
+        time.sleep(0.05)  # the pool's threads are asleep again
+        done = reader.read_in_place(0, torch.arange(2048), matrix)
+        assert done.reads >= 64  # 6 MiB in requests of at most 64 KiB
+        # the submission wakes one thread and the wait one more: the others were woken by threads
+        assert library.flashlm_reader_peak_serving(pool) >= 3
+    assert torch.equal(matrix, data)
+
+
+@needs_native_reader
 def test_a_reader_left_open_with_reads_outstanding_closes_quietly_at_exit(direct_dir: Path) -> None:
     """A script that ends with a read submitted and the reader still open: the reader's finalizer, run
     while Python shuts down (when imports fail), waits for the read and exits without an error."""

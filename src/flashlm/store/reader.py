@@ -180,6 +180,8 @@ def native_reader() -> ctypes.CDLL | None:
     library.flashlm_reader_submit.restype = _P
     library.flashlm_reader_wait.argtypes = [_P, _P, _P, _I]
     library.flashlm_reader_wait.restype = None
+    library.flashlm_reader_peak_serving.argtypes = [_P]
+    library.flashlm_reader_peak_serving.restype = _I
     library.flashlm_plan_rows.argtypes = [_P, _I, _I, _I, _I, _I, _I, _I, _P, _I]
     library.flashlm_plan_rows.restype = _I
     return library
@@ -597,9 +599,10 @@ class StoreReader:
         where there is no C pool (nothing started: call `read_in_place`, which reads in Python). Bad
         arguments raise here, before anything is read.
 
-        `start=False` queues the read without waking the pool's sleeping threads (those awake take it):
-        a caller submitting several reads at once passes it to all but the last, which wakes them once
-        for all. Waiting for any read wakes them too."""
+        A submission wakes one sleeping thread of the pool, and each thread that takes a request wakes
+        the next while more wait. `start=False` queues the read without waking any (those awake take
+        it): a caller submitting several reads at once passes it to all but the last, which starts them
+        all. Waiting for any read wakes them too."""
         if self._closed:
             raise ValueError("This StoreReader is closed.")
         f = self.files[key]
