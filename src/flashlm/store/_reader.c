@@ -199,9 +199,9 @@ Pool *flashlm_reader_new(int64_t threads) {
 }
 
 /* Queue the reading of the rows `ids` of the file open as `fd` (`rows` rows) into `base` in place, after
- * the jobs submitted before, and with `start` wake a sleeping thread, which wakes the next (`wake`)
- * (without it, threads awake take the job, and the next submission with `start` or any wait wakes the
- * others: a caller queuing several jobs at once wakes a thread once); returns at once. Returns the job, for
+ * the jobs submitted before, and with `start` wake a sleeping thread, which wakes the next (`wake`).
+ * Without `start`, threads awake take the job, and the next submission with `start` or any wait starts
+ * the others: a caller queuing several jobs at once wakes a thread once. Returns at once: the job, for
  * `flashlm_reader_wait` (which every job needs: it frees it), or NULL with `*status` set to a plan error
  * (PLAN_UNSORTED, PLAN_OUT_OF_RANGE, NO_MEMORY), having read nothing. */
 Job *flashlm_reader_submit(Pool *p, int64_t fd, const int64_t *ids, int64_t n, int64_t rows, int64_t row_bytes,
