@@ -275,9 +275,9 @@ class SparseMLP(Selection, FlashMLP):
             kind: runtime.store.row_file(layer, kind).row_bytes
             for kind in (self.INPUT_KIND, self.OUTPUT_KIND)
         }
-        self.guesses_ahead = False
+        self.guesses_ahead = self.INPUT_KIND in runtime.guess_units
         """Whether a decode step's first stage reads the next layer's likely input units
-        (`_guess_next_layer`); methods whose first selection depends on the input may turn it on."""
+        (`_guess_next_layer`): as `guesses` told `make_runtime`, which sized the guess's buffers."""
         self.column_products: dict[int, ColumnProduct] = {}
         """The measured implementation of each width of column product this method computes
         (`measure_products`, which `build` calls at load; else measured on first use)."""
@@ -648,7 +648,6 @@ class DIPMLP(DIPSelection, SparseMLP):
         super().__init__(*args, **kwargs)
         self.k_in = k_in
         self.input_threshold = input_threshold
-        self.guesses_ahead = self.INPUT_KIND in self.runtime.guess_units  # `guesses`, as `make_runtime` asked
 
     @classmethod
     def guesses(cls, config: FlashConfig, read_ahead: tuple[str, ...]) -> bool:
