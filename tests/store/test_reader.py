@@ -550,6 +550,32 @@ def test_submitted_reads_run_in_the_background_and_land_in_place(direct_dir: Pat
 
 
 @needs_native_reader
+def test_in_place_reads_serve_one_matrix_again_and_again(direct_dir: Path) -> None:
+    """One `InPlaceReads` (the matrix checked once) serves read after read into its matrix, of the file's
+    first rows where the matrix holds only those, refusing rows past them; a bad matrix fails at once,
+    and a closed reader's reads refuse to submit."""
+    f, data = make_file(direct_dir, 400, 1536)
+    with StoreReader({"m": f}, direct_io=True, threads=3) as reader:
+        with pytest.raises(ValueError, match="cannot hold"):
+            reader.in_place_reads("m", row_matrix(400, 768, torch.bfloat16))
+        with pytest.raises(ValueError, match="page-aligned"):
+            reader.in_place_reads("m", row_matrix(401, 1536, torch.bfloat16)[1:])
+        into = reader.in_place_reads("m", row_matrix(300, 1536, torch.bfloat16))
+        for seed in range(4):
+            ids = random_ids(300, 40, seed)
+            into.submit(ids).result()
+            assert torch.equal(into.matrix[ids], data[ids])
+        with pytest.raises(ValueError, match="matrix has 300 rows; row 350 does not fit"):
+            into.submit(torch.tensor([10, 350]))
+        with pytest.raises(ValueError, match="sorted"):
+            into.submit(torch.tensor([12, 11]))
+        with pytest.raises(ValueError, match="1-D int64"):
+            into.submit(torch.tensor([1, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="closed"):
+        into.submit(torch.tensor([1, 2]))
+
+
+@needs_native_reader
 def test_only_waits_someone_waits_on_poll_before_sleeping(direct_dir: Path, monkeypatch) -> None:
     """A wait polls for a read's end first (`WAIT_SPIN_S`, in flight requests only: the C side decides),
     except on a thread marked `sleep_while_reading` (a runtime's I/O thread), which sleeps at once; the

@@ -30,7 +30,7 @@ from ..ops.select import TopUnits
 from ..store import RowFile, Store, StoreReader
 from ..store.disk import DiskProfile, disk_profile
 from ..store.format import dense_kinds
-from ..store.reader import PendingRead, pin_for_gpu, row_matrix
+from ..store.reader import InPlaceReads, PendingRead, pin_for_gpu, row_matrix
 from .io_thread import IOThread
 from .stats import FlashStats, StatsRecorder
 from .trace import TraceRecorder
@@ -400,6 +400,7 @@ class FlashRuntime(Runtime):
         self.top_units = {kind: two_sets(kind) for kind in selection_kinds}
         """Each of the `selection_kinds`' two sets of buffers for a decode token's selection fused with its
         lookup (`SparseMLP._stage`), which the layers take in turn (`selection_units`)."""
+        self._in_place: dict[tuple[int, str, int], InPlaceReads | None] = {}
         self._top_units_turn = dict.fromkeys(selection_kinds, 0)
         self._held: dict[TopUnits, Future[None]] = {}
         """The cache update queued on the I/O thread that still reads each set's buffers (`update_caches`)."""
@@ -727,16 +728,23 @@ class FlashRuntime(Runtime):
         # the pool's threads are woken once, by the last read submitted
         waking = next((kind for kind in reversed(plan) if plan[kind].numel()), None)
         for kind, ids in plan.items():
-            staging = self.staging[kind][buffer]
             ids = ids if ids.is_cpu else ids.cpu()  # a no-op `.cpu()` still costs an operator
             reads = []
             if ids.numel():
-                read = self.reader.submit_in_place((layer, kind), ids, staging, start=kind == waking)
-                if read is None:
+                into = self._in_place_reads(layer, kind, buffer)
+                if into is None:
                     return None  # no C pool: nothing was submitted (every call answers the same)
-                reads.append(read)
-            fetches[kind] = PoolFetch(ids, staging, reads)
+                reads.append(into.submit(ids, start=kind == waking))
+            fetches[kind] = PoolFetch(ids, self.staging[kind][buffer], reads)
         return PoolLayerFetch(fetches)
+
+    def _in_place_reads(self, layer: int, kind: str, buffer: int) -> InPlaceReads | None:
+        """The C pool's reads of `layer`'s `kind` rows into staging buffer `buffer` (None: no C pool), made
+        on first use and kept: the decode thread submits through them with no checks repeated."""
+        key = (layer, kind, buffer)
+        if key not in self._in_place:
+            self._in_place[key] = self.reader.in_place_reads((layer, kind), self.staging[kind][buffer])
+        return self._in_place[key]
 
     def _empty_fetch(self, kind: str, buffer: int) -> Fetch:
         return Fetch(self.unit_ids[:0], self.staging[kind][buffer], 0, 0, 0.0)

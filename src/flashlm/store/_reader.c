@@ -198,27 +198,36 @@ Pool *flashlm_reader_new(int64_t threads) {
     return p;
 }
 
-/* Queue the reading of the rows `ids` of the file open as `fd` (`rows` rows) into `base` in place, after
- * the jobs submitted before, and with `start` wake a sleeping thread, which wakes the next (`wake`).
- * Without `start`, threads awake take the job, and the next submission with `start` or any wait starts
- * the others: a caller queuing several jobs at once wakes a thread once. Returns at once: the job, for
- * `flashlm_reader_wait` (which every job needs: it frees it), or NULL with `*status` set to a plan error
- * (PLAN_UNSORTED, PLAN_OUT_OF_RANGE, NO_MEMORY), having read nothing. */
-Job *flashlm_reader_submit(Pool *p, int64_t fd, const int64_t *ids, int64_t n, int64_t rows, int64_t row_bytes,
-                           int64_t data_offset, int64_t alignment, int64_t merge_gap, int64_t chunk_bytes,
-                           char *base, int64_t start, int64_t *status) {
+/* Where reads of one file's rows land: built once per (file, matrix) by the caller (the Python
+ * `StoreReader.in_place_reads`), so that a submission passes five arguments instead of twelve. */
+typedef struct {
+    Pool *pool;
+    int64_t fd, rows, row_bytes, data_offset, alignment, merge_gap;
+    char *base; /* byte b of the file lands at byte b - data_offset of base */
+} Target;
+
+/* Queue the reading of the rows `ids` of `t`'s file (its first `t->rows` rows) into its matrix in
+ * place, after the jobs submitted before, and with `start` wake a sleeping thread, which wakes the next
+ * (`wake`). Without `start`, threads awake take the job, and the next submission with `start` or any
+ * wait starts the others: a caller queuing several jobs at once wakes a thread once. Returns at once:
+ * the job, for `flashlm_reader_wait` (which every job needs: it frees it), or NULL with `*status` set
+ * to a plan error (PLAN_UNSORTED, PLAN_OUT_OF_RANGE, NO_MEMORY), having read nothing. */
+Job *flashlm_reader_submit(const Target *t, const int64_t *ids, int64_t n, int64_t chunk_bytes, int64_t start,
+                           int64_t *status) {
+    Pool *p = t->pool;
     /* one allocation: the job, then its requests */
-    Job *job = malloc(sizeof(Job) + max_requests(n, rows, row_bytes, chunk_bytes) * sizeof(Request));
+    Job *job = malloc(sizeof(Job) + max_requests(n, t->rows, t->row_bytes, chunk_bytes) * sizeof(Request));
     Request *requests = job ? (Request *)(job + 1) : NULL;
-    int64_t count =
-        job ? plan(ids, n, rows, row_bytes, data_offset, alignment, merge_gap, chunk_bytes, requests) : NO_MEMORY;
+    int64_t count = job ? plan(ids, n, t->rows, t->row_bytes, t->data_offset, t->alignment, t->merge_gap,
+                               chunk_bytes, requests)
+                        : NO_MEMORY;
     if (count < 0) {
         free(job);
         *status = count;
         return NULL;
     }
-    *job = (Job){.fd = (int)fd, .requests = requests, .n_requests = count, .alignment = alignment,
-                 .data_offset = data_offset, .base = base, .eof_at = -1};
+    *job = (Job){.fd = (int)t->fd, .requests = requests, .n_requests = count, .alignment = t->alignment,
+                 .data_offset = t->data_offset, .base = t->base, .eof_at = -1};
     pthread_mutex_lock(&p->lock);
     if (count == 0) {
         job->done = 1;

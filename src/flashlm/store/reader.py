@@ -45,7 +45,8 @@ NATIVE_SOURCE = Path(__file__).with_name("_reader.c")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _WaitStats = ctypes.c_int64 * 5
 """What `flashlm_reader_wait` reports of a job (see `_reader.c`)."""
-_PLAN_ERRORS = {-1: "ids must be sorted ascending and unique.", -3: "out of memory planning the reads."}
+_NO_MEMORY = -3
+"""`flashlm_reader_submit`'s status where it could not allocate the plan."""
 
 # Defaults measured on the development disk (virtio /dev/vda, ext4, 2 cores) with
 #   python benchmarks/reader_throughput.py --size 1GB --out /var/tmp/reader_throughput.json
@@ -176,7 +177,7 @@ def native_reader() -> ctypes.CDLL | None:
     library.flashlm_reader_new.restype = _P
     library.flashlm_reader_free.argtypes = [_P]
     library.flashlm_reader_free.restype = None
-    library.flashlm_reader_submit.argtypes = [_P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _P, _I, _P]
+    library.flashlm_reader_submit.argtypes = [_P, _P, _I, _I, _I, _P]
     library.flashlm_reader_submit.restype = _P
     library.flashlm_reader_wait.argtypes = [_P, _P, _P, _I]
     library.flashlm_reader_wait.restype = None
@@ -316,6 +317,84 @@ class PendingRead:
             )
         else:
             self._done = ReadDone(nbytes, calls, nanoseconds / 1e9)
+
+
+class _Target(ctypes.Structure):
+    """`Target` of `_reader.c`: where reads of one file's rows land."""
+
+    _fields_ = [
+        ("pool", _P),
+        ("fd", _I),
+        ("rows", _I),
+        ("row_bytes", _I),
+        ("data_offset", _I),
+        ("alignment", _I),
+        ("merge_gap", _I),
+        ("base", _P),
+    ]
+
+
+class InPlaceReads:
+    """Reads of one store file's rows into one matrix in place, on the C pool
+    (`StoreReader.in_place_reads`): the file, the matrix and the C call's standing arguments are checked
+    and built once, so that each `submit` costs the C call and a few lines of Python. A decode step
+    submits every layer's reads through these (`FlashRuntime`): on two cores the Python of a submission
+    that checked and built everything each time took the decode thread about 0.1 ms per read, eleven
+    times what it takes alone. One thread submits through an `InPlaceReads` at a time."""
+
+    def __init__(self, reader: StoreReader, key: Hashable, matrix: torch.Tensor) -> None:
+        f = reader.files[key]
+        self._reader, self._file = reader, f
+        self.matrix = matrix
+        """The matrix the rows land in (held here: the C threads write into its memory)."""
+        self._target = _Target(
+            None,
+            reader._fds[key],
+            min(f.rows, matrix.shape[0]),  # a matrix of the file's first rows takes only those
+            f.row_bytes,
+            f.data_offset,
+            ALIGNMENT if reader.mode == "direct" else 1,
+            reader.merge_gap_bytes,
+            matrix.data_ptr(),
+        )
+        self._target_address = ctypes.addressof(self._target)
+        self._status = _I()
+        self._status_address = ctypes.addressof(self._status)
+        self._pid = -1  # the pool is looked up on the first submission (and again in a forked child)
+
+    def submit(self, ids: torch.Tensor, *, start: bool = True) -> PendingRead:
+        """Start reading rows `ids` (a sorted, unique 1-D int64 CPU tensor) into their rows of the matrix
+        and return at once (`StoreReader.submit_in_place`, whose `start` this is)."""
+        reader = self._reader
+        if reader._closed:
+            raise ValueError("This StoreReader is closed.")
+        StoreReader._check_id_type(ids)
+        if not ids.is_contiguous():
+            ids = ids.contiguous()
+        pid = os.getpid()
+        if pid != self._pid:
+            self._target.pool, self._pid = reader._native_pool(), pid
+        pool, count = self._target.pool, ids.shape[0]
+        job = native_reader().flashlm_reader_submit(
+            self._target_address,
+            ids.data_ptr(),
+            count,
+            reader.request_bytes(count * self._file.row_bytes),
+            int(start),
+            self._status_address,
+        )
+        status = self._status.value
+        if status:  # the planner refused the ids (say which way), or ran out of memory
+            StoreReader._check_id_values(self._file, ids, self._target.rows)
+            raise ValueError(
+                "out of memory planning the reads."
+                if status == _NO_MEMORY
+                else f"read planning failed ({status})."
+            )
+        pending = PendingRead(reader, pool, job, self._file)
+        with reader._lock:
+            reader._outstanding.add(pending)
+        return pending
 
 
 class StoreReader:
@@ -492,25 +571,47 @@ class StoreReader:
                 self._read_batch(self._fds[key], f, plan, first_run, last_run, out)
 
     @staticmethod
-    def _check_args(f: RowFile, ids: torch.Tensor, out: torch.Tensor, *, check_ids: bool = True) -> None:
-        """Types and shapes; with `check_ids`, the ids' range and order too (the C planner checks
-        those itself)."""
-        if ids.dtype != torch.int64 or ids.dim() != 1 or ids.device.type != "cpu":
-            raise ValueError(
-                f"ids must be a 1-D int64 CPU tensor, got {ids.dtype} {tuple(ids.shape)} on {ids.device}."
-            )
+    def _check_args(f: RowFile, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Types, shapes, and the ids' range and order, for a read gathered into `out`."""
+        StoreReader._check_id_type(ids)
         if out.dtype != f.dtype or out.dim() != 2 or out.device.type != "cpu":
             raise ValueError(
                 f"out must be a 2-D CPU tensor of {f.dtype}, got {out.dtype} {tuple(out.shape)}."
             )
         if out.shape[0] < len(ids) or out.shape[1] != f.width:
             raise ValueError(f"out {tuple(out.shape)} cannot hold {len(ids)} rows of width {f.width}.")
-        if not check_ids:
-            return
+        StoreReader._check_id_values(f, ids)
+
+    @staticmethod
+    def _check_id_type(ids: torch.Tensor) -> None:
+        if ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_cpu:
+            raise ValueError(
+                f"ids must be a 1-D int64 CPU tensor, got {ids.dtype} {tuple(ids.shape)} on {ids.device}."
+            )
+
+    @staticmethod
+    def _check_id_values(f: RowFile, ids: torch.Tensor, rows: int | None = None) -> None:
+        """Rows of the file, sorted and unique, and below `rows` (the rows of a matrix they land in)."""
         if len(ids) and (int(ids[0]) < 0 or int(ids[-1]) >= f.rows):
             raise ValueError(f"ids must lie in [0, {f.rows}), got {int(ids[0])}..{int(ids[-1])}.")
+        if rows is not None and len(ids) and int(ids[-1]) >= rows:
+            raise ValueError(f"matrix has {rows} rows; row {int(ids[-1])} does not fit.")
         if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
             raise ValueError("ids must be sorted ascending and unique.")
+
+    @staticmethod
+    def _check_matrix(f: RowFile, matrix: torch.Tensor, direct: bool) -> None:
+        """A matrix reads of `f`'s rows can land in, in place: a `row_matrix` of its shape or first rows."""
+        if matrix.dtype != f.dtype or matrix.dim() != 2 or matrix.device.type != "cpu":
+            raise ValueError(
+                f"matrix must be a 2-D CPU tensor of {f.dtype}, got {matrix.dtype} {tuple(matrix.shape)}."
+            )
+        if matrix.shape[1] != f.width:
+            raise ValueError(f"matrix {tuple(matrix.shape)} cannot hold rows of width {f.width}.")
+        if not matrix.is_contiguous():
+            raise ValueError(f"matrix must be a contiguous [rows, {f.width}] {f.dtype} row_matrix.")
+        if direct and matrix.data_ptr() % mmap.PAGESIZE:
+            raise ValueError("O_DIRECT reads need a page-aligned matrix: allocate it with `row_matrix`.")
 
     def _batches(self, run_bytes: np.ndarray) -> list[tuple[int, int]]:
         """Consecutive run ranges `[first, last)` whose bytes fit the buffer (a loop per run only when
@@ -597,51 +698,30 @@ class StoreReader:
         """Start `read_in_place(key, ids, matrix)` on the C pool and return at once: the read runs after
         the ones submitted before it, with no Python thread involved, and `result()` waits for it. None
         where there is no C pool (nothing started: call `read_in_place`, which reads in Python). Bad
-        arguments raise here, before anything is read.
+        arguments raise here, before anything is read. A caller that reads into the same matrix again
+        and again submits through `in_place_reads` instead, which checks the matrix once.
 
         A submission wakes one sleeping thread of the pool, and each thread that takes a request wakes
         the next while more wait. `start=False` queues the read without waking any (those awake take
         it): a caller submitting several reads at once passes it to all but the last, which starts them
         all. Waiting for any read wakes them too."""
+        reads = self.in_place_reads(key, matrix)
+        if reads is None:
+            f = self.files[key]
+            self._check_id_type(ids)
+            self._check_id_values(f, ids, matrix.shape[0])
+            return None
+        return reads.submit(ids, start=start)
+
+    def in_place_reads(self, key: Hashable, matrix: torch.Tensor) -> InPlaceReads | None:
+        """Reads of `files[key]`'s rows into `matrix` in place (`InPlaceReads.submit`), the matrix checked
+        here: a `row_matrix` of the file's shape or its first rows. None where there is no C pool."""
         if self._closed:
             raise ValueError("This StoreReader is closed.")
-        f = self.files[key]
-        pool = self._native_pool()
-        self._check_args(f, ids, matrix, check_ids=pool is None)
-        if matrix.shape[0] != f.rows and len(ids) and int(ids[-1]) >= matrix.shape[0]:
-            raise ValueError(f"matrix has {matrix.shape[0]} rows; row {int(ids[-1])} does not fit.")
-        if not matrix.is_contiguous():
-            raise ValueError(f"matrix must be a contiguous [rows, {f.width}] {f.dtype} row_matrix.")
-        if self.mode == "direct" and matrix.data_ptr() % mmap.PAGESIZE:
-            raise ValueError("O_DIRECT reads need a page-aligned matrix: allocate it with `row_matrix`.")
-        if pool is None:
+        self._check_matrix(self.files[key], matrix, self.mode == "direct")
+        if self._native_pool() is None:
             return None
-        if not ids.is_contiguous():
-            ids = ids.contiguous()
-        status = ctypes.c_int64()
-        job = native_reader().flashlm_reader_submit(
-            pool,
-            self._fds[key],
-            ids.data_ptr(),
-            len(ids),
-            f.rows,
-            f.row_bytes,
-            f.data_offset,
-            ALIGNMENT if self.mode == "direct" else 1,
-            self.merge_gap_bytes,
-            self.request_bytes(len(ids) * f.row_bytes),
-            matrix.data_ptr(),
-            int(start),
-            ctypes.byref(status),
-        )
-        if status.value == -2:
-            raise ValueError(f"ids must lie in [0, {f.rows}), got {int(ids.min())}..{int(ids.max())}.")
-        if status.value:
-            raise ValueError(_PLAN_ERRORS.get(status.value, f"read planning failed ({status.value})."))
-        pending = PendingRead(self, pool, job, f)
-        with self._lock:
-            self._outstanding.add(pending)
-        return pending
+        return InPlaceReads(self, key, matrix)
 
     def _count(self, pending: PendingRead, nbytes: int, calls: int) -> None:
         """Count a waited-for read of the C pool's."""
