@@ -6,11 +6,12 @@ variant is a set of `FlashConfig` options (`key=value`, comma-separated) over `-
 plain transformers; `torch_threads=N` sets `torch.set_num_threads` for the variant's blocks. Each
 variant loads its own model and keeps its own generation state. Printed per block and
 summarized by the median: tokens/s (and against the first variant), and for flashlm variants the I/O
-wait, selection, cache bookkeeping (lookup, read submission, admission), compute and MB read per token
-from `flashlm.stats`. Every variant's MLP modules are timed by forward hooks (`per_token_path.MLPTimer`);
-where a `ram` variant runs, each flashlm variant's compute is also given over the first `ram` variant's
-MLP time, beside its bookkeeping over its compute (issue 14's targets, measured in one process). The
-last column says whether the variant decoded the first variant's greedy tokens.
+wait, selection, cache bookkeeping (lookup, read submission, admission; the submission also apart),
+compute and MB read per token from `flashlm.stats`. Every variant's MLP modules are timed by forward
+hooks (`per_token_path.MLPTimer`); where a `ram` variant runs, each flashlm variant's compute is also
+given over the first `ram` variant's MLP time, beside its bookkeeping over its compute (issue 14's
+targets, measured in one process). The last column says whether the variant decoded the first
+variant's greedy tokens.
 
     python benchmarks/alternate.py --model smollm2-135m --base memory_budget=50% \\
         --variant cache_split=read-cost --variant cache_split=in-order
@@ -107,6 +108,7 @@ class Variant:
             block["io_ms"] = 1e3 * totals["io_s_per_step"]
             block["select_ms"] = 1e3 * totals["select_s_per_step"]
             block["cache_ms"] = 1e3 * totals["cache_s_per_step"]
+            block["submit_ms"] = 1e3 * totals["submit_s_per_step"]
             block["compute_ms"] = 1e3 * totals["compute_s_per_step"]
             block["mb"] = totals["bytes_read_per_step"] / 1e6
         self.blocks.append(block)
@@ -133,8 +135,9 @@ def table(variants: list[Variant]) -> str:
     ram = next((variant for variant in variants if variant.ram), None)
     lines = [
         "| variant | tok/s per block | median tok/s | x first | MLP ms (hooks) | I/O wait ms | select ms "
-        "| cache ms | compute ms | compute / ram MLP | cache / compute | MB read | tokens = first |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cache ms | of which submission | compute ms | compute / ram MLP | cache / compute | MB read "
+        "| tokens = first |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for variant in variants:
         blocks = " / ".join(f"{block['tok_s']:.2f}" for block in variant.blocks)
@@ -146,7 +149,7 @@ def table(variants: list[Variant]) -> str:
             f"| {variant.label} | {blocks} | {tok_s:.2f} | {tok_s / first.median('tok_s'):.2f} "
             f"| {variant.median('mlp_ms'):.1f} "
             f"| {cell(variant.median('io_ms'), '.1f')} | {cell(variant.median('select_ms'), '.1f')} "
-            f"| {cell(variant.median('cache_ms'), '.1f')} "
+            f"| {cell(variant.median('cache_ms'), '.1f')} | {cell(variant.median('submit_ms'), '.1f')} "
             f"| {cell(compute, '.1f')} | {cell(over_ram, '.2f')} | {cell(bookkeeping, '.1%')} "
             f"| {cell(variant.median('mb'), '.1f')} "
             f"| {'yes' if variant.tokens == first.tokens else 'no'} |"
