@@ -199,7 +199,7 @@ Pool *flashlm_reader_new(int64_t threads) {
 }
 
 /* Where reads of one file's rows land: built once per (file, matrix) by the caller (the Python
- * `StoreReader.in_place_reads`), so that a submission passes five arguments instead of twelve. */
+ * `StoreReader.in_place_reads`), so that a submission passes six arguments instead of thirteen. */
 typedef struct {
     Pool *pool;
     int64_t fd, rows, row_bytes, data_offset, alignment, merge_gap;

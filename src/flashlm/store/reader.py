@@ -338,9 +338,9 @@ class InPlaceReads:
     """Reads of one store file's rows into one matrix in place, on the C pool
     (`StoreReader.in_place_reads`): the file, the matrix and the C call's standing arguments are checked
     and built once, so that each `submit` costs the C call and a few lines of Python. A decode step
-    submits every layer's reads through these (`FlashRuntime`): on two cores the Python of a submission
-    that checked and built everything each time took the decode thread about 0.1 ms per read, eleven
-    times what it takes alone. One thread submits through an `InPlaceReads` at a time."""
+    submits every layer's reads through these (`FlashRuntime`): inside a decode on two cores, the Python
+    around the C call of a submission that checked everything each time took the decode thread about
+    0.1 ms of CPU per read, ten times what it takes alone. One thread submits through one at a time."""
 
     def __init__(self, reader: StoreReader, key: Hashable, matrix: torch.Tensor) -> None:
         f = reader.files[key]
