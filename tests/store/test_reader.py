@@ -576,6 +576,27 @@ def test_in_place_reads_serve_one_matrix_again_and_again(direct_dir: Path) -> No
 
 
 @needs_native_reader
+def test_in_place_reads_take_a_forked_childs_own_pool(direct_dir: Path, monkeypatch) -> None:
+    """Threads do not survive a fork: in a child (here a changed pid) an `InPlaceReads` made in the parent
+    submits to the pool the child's reader makes, and its rows land."""
+    f, data = make_file(direct_dir, 400, 1536)
+    library = reader_mod.native_reader()
+    with StoreReader({"m": f}, direct_io=True, threads=2) as reader:
+        into = reader.in_place_reads("m", row_matrix(400, 1536, torch.bfloat16))
+        parent_pool = reader._native_pool()
+        into.submit(random_ids(400, 30, 0)).result()
+        real_pid = os.getpid()
+        monkeypatch.setattr(reader_mod.os, "getpid", lambda: real_pid + 1)
+        ids = random_ids(400, 30, 1)
+        into.submit(ids).result()
+        child_pool = reader._native_pool()
+        assert child_pool != parent_pool
+        assert library.flashlm_reader_peak_serving(child_pool) >= 1  # the child's threads read it
+        assert torch.equal(into.matrix[ids], data[ids])
+    library.flashlm_reader_free(parent_pool)  # the child's pool went with the reader; the parent's is ours
+
+
+@needs_native_reader
 def test_only_waits_someone_waits_on_poll_before_sleeping(direct_dir: Path, monkeypatch) -> None:
     """A wait polls for a read's end first (`WAIT_SPIN_S`, in flight requests only: the C side decides),
     except on a thread marked `sleep_while_reading` (a runtime's I/O thread), which sleeps at once; the

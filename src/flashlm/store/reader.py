@@ -342,13 +342,13 @@ class InPlaceReads:
     around the C call of a submission that checked everything each time took the decode thread about
     0.1 ms of CPU per read, ten times what it takes alone. One thread submits through one at a time."""
 
-    def __init__(self, reader: StoreReader, key: Hashable, matrix: torch.Tensor) -> None:
+    def __init__(self, reader: StoreReader, key: Hashable, matrix: torch.Tensor, pool: int) -> None:
         f = reader.files[key]
         self._reader, self._file = reader, f
         self.matrix = matrix
         """The matrix the rows land in (held here: the C threads write into its memory)."""
         self._target = _Target(
-            None,
+            pool,
             reader._fds[key],
             min(f.rows, matrix.shape[0]),  # a matrix of the file's first rows takes only those
             f.row_bytes,
@@ -360,7 +360,6 @@ class InPlaceReads:
         self._target_address = ctypes.addressof(self._target)
         self._status = _I()
         self._status_address = ctypes.addressof(self._status)
-        self._pid = -1  # the pool is looked up on the first submission (and again in a forked child)
 
     def submit(self, ids: torch.Tensor, *, start: bool = True) -> PendingRead:
         """Start reading rows `ids` (a sorted, unique 1-D int64 CPU tensor) into their rows of the matrix
@@ -371,10 +370,9 @@ class InPlaceReads:
         StoreReader._check_id_type(ids)
         if not ids.is_contiguous():
             ids = ids.contiguous()
-        pid = os.getpid()
-        if pid != self._pid:
-            self._target.pool, self._pid = reader._native_pool(), pid
-        pool, count = self._target.pool, ids.shape[0]
+        pool, count = reader._native_pool(), ids.shape[0]  # a forked child's pool is its own
+        if pool != self._target.pool:
+            self._target.pool = pool
         job = native_reader().flashlm_reader_submit(
             self._target_address,
             ids.data_ptr(),
@@ -719,9 +717,8 @@ class StoreReader:
         if self._closed:
             raise ValueError("This StoreReader is closed.")
         self._check_matrix(self.files[key], matrix, self.mode == "direct")
-        if self._native_pool() is None:
-            return None
-        return InPlaceReads(self, key, matrix)
+        pool = self._native_pool()
+        return None if pool is None else InPlaceReads(self, key, matrix, pool)
 
     def _count(self, pending: PendingRead, nbytes: int, calls: int) -> None:
         """Count a waited-for read of the C pool's."""
