@@ -37,9 +37,14 @@ def reference(out, coef, rows) -> torch.Tensor:
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("tokens", "n", "width"), [(1, 37, 100), (3, 300, 1000), (40, 64, 17), (1, 0, 8)])
+@pytest.mark.parametrize(
+    ("tokens", "n", "width"),
+    [(1, 37, 100), (1, 300, 1000), (1, 40, 4000), (3, 300, 1000), (40, 64, 17), (1, 0, 8)],
+)
 @pytest.mark.exactness
 def test_native_matches_the_reference(dtype, tokens, n, width) -> None:
+    """Small products on one thread; one token's over short rows split by rows (1 x 300 x 1000), over
+    long ones by columns (1 x 40 x 4000), as are several tokens' (3 x 300 x 1000) (`_columns.c`)."""
     out, coef, rows = operands(tokens, n, width, dtype, zero_rows=n // 3)
     expected = reference(out, coef, rows)
     native(out, coef, rows)
@@ -57,18 +62,31 @@ def test_native_skips_rows_whose_coefficients_are_all_zero() -> None:
 
 
 @needs_native
+@pytest.mark.parametrize(
+    ("tokens", "width"), [(1, 1024), (1, 4096), (3, 1024)], ids=["by-rows", "by-columns", "tokens"]
+)
+@pytest.mark.parametrize("indexed", [False, True])
 @pytest.mark.exactness
-def test_native_is_the_same_on_any_number_of_threads() -> None:
-    """Columns are split between threads, each output summed over rows in order: bit-identical."""
-    out, coef, rows = operands(1, 2048, 1024, torch.bfloat16, zero_rows=100)
+def test_native_is_the_same_on_any_number_of_threads(tokens, width, indexed) -> None:
+    """Bit-identical on 1, 2 and 3 threads, whichever way the product is split between them: one
+    token's over short rows by rows (in two fixed halves), others by columns (each output summed over
+    its rows in order); with the rows and the coefficients read by index or not."""
+    out, coef, rows = operands(tokens, 2048, width, torch.bfloat16, zero_rows=100)
+    index = coef_ids = None
+    if indexed:
+        index = torch.randperm(2048, generator=torch.Generator().manual_seed(3))[:1500].sort().values
+        coef_ids = index.flip(0).contiguous()  # unit index[k]'s coefficient is coef[:, coef_ids[k]]
 
     def run() -> torch.Tensor:
         target = out.clone()
-        native(target, coef, rows)
+        native(target, coef, rows, index, coef_ids)
         return target
 
     results = on_thread_counts(run)
     assert all(torch.equal(results[0], r) for r in results[1:])
+    used_coef = coef if coef_ids is None else coef[:, coef_ids]
+    used_rows = rows if index is None else rows[index]
+    torch.testing.assert_close(results[0], reference(out, used_coef, used_rows), rtol=1e-5, atol=1e-4)
 
 
 def on_thread_counts(run) -> list[torch.Tensor]:

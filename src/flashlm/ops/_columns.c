@@ -13,10 +13,11 @@
  * split between the threads of the OpenMP team (torch's own: this library links libgomp.so.1, which the
  * dynamic linker resolves to the copy torch has loaded, so no second pool spins against torch's), then
  * processed in blocks of up to BLOCK columns; rows are taken eight at a time so each load and store of
- * `out` carries eight multiply-adds, summed as a pairwise tree (short dependency chains).
+ * `out` carries eight multiply-adds, summed as a pairwise tree (short dependency chains). One token's
+ * product over short rows splits the rows instead (`SPLIT_WIDTH`).
  * A row whose coefficients are all zero is skipped, so a masked product costs what the kept units
- * weigh. Each output's summation order is fixed (rows in order), whatever the thread count, so results
- * are deterministic.
+ * weigh. Each output's summation order is fixed whatever the thread count, so results are
+ * deterministic.
  */
 #include <math.h>
 #include <omp.h>
@@ -41,6 +42,19 @@
 #define BLOCK 65536
 #endif
 #define GROUP 8
+/* One token's product over rows of at most this many elements is split by rows, not columns: each of
+ * PARTS fixed halves of the rows (whatever the team's size) is summed into an accumulator of its own,
+ * then out += part 0 + part 1. Split by columns, each thread read half of every row, a piece too short
+ * for the prefetchers to follow (a down row is 1152 bytes on SmolLM2-135M, 3 KB on Qwen2.5-1.5B); by
+ * rows, a thread streams whole rows. One token's product over a down matrix at density 0.6, alternated
+ * in one process (benchmarks/column_blocks.py, 400 products, 2-core AMD EPYC VM): Qwen2.5-1.5B
+ * 0.78-1.01 -> 0.58-0.75 ms, SmolLM2 0.076-0.115 -> 0.062-0.084 ms, default and AVX2 builds; the wider
+ * DIP input rows (6 KB and 35 KB) gained nothing from it. In a decode (benchmarks/alternate.py, the two
+ * kernels alternated per block in one process), Qwen2.5-1.5B DIP@0.6 with every unit resident computed
+ * in 56.2 against 61.1 ms per token (default kernels) and 58.6 against 65.4 (AVX2), every block faster;
+ * SmolLM2's compute moved within its noise (6.0 against 6.2 ms). */
+#define SPLIT_WIDTH 2048
+#define PARTS 2
 _Static_assert(GROUP == 8, "the sum in DEFINE_COLUMNS is written out for eight rows");
 
 
@@ -119,6 +133,20 @@ static inline int next_group(const float *coef, int64_t ldc, const int64_t *cidx
                  int64_t ldo, int64_t width) {                                                        \
         for (int64_t k = 0; cidx && k < n; k++)                                                       \
             if (cidx[k] < 0 || cidx[k] >= ncoef) return -1;                                           \
+        if (T == 1 && width <= SPLIT_WIDTH && n * width >= PARALLEL_MIN) {                            \
+            float part[PARTS][SPLIT_WIDTH];                                                           \
+            _Pragma("omp parallel for schedule(static)")                                              \
+            for (int p = 0; p < PARTS; p++) {                                                         \
+                const int64_t k0 = n * p / PARTS, k1 = n * (p + 1) / PARTS; /* rows k0 .. k1-1 */      \
+                memset(part[p], 0, width * sizeof(float));                                            \
+                NAME##_range(cidx ? coef : coef + k0, ldc, cidx ? cidx + k0 : NULL, 1, k1 - k0,        \
+                             index ? rows : rows + k0 * ldr, ldr, index ? index + k0 : NULL, part[p],  \
+                             width, 0, width);                                                        \
+            }                                                                                         \
+            _Static_assert(PARTS == 2, "the parts' sum is written out for two");                      \
+            for (int64_t j = 0; j < width; j++) out[j] += part[0][j] + part[1][j];                    \
+            return 0;                                                                                 \
+        }                                                                                             \
         _Pragma("omp parallel if (n * width >= PARALLEL_MIN)") {                                      \
             const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();                    \
             const int64_t j0 = me == 0 ? 0 : width * me / team / ALIGN * ALIGN;                        \
