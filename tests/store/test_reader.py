@@ -26,6 +26,7 @@ from flashlm.store.reader import (
     ALIGNMENT,
     DirectIOUnavailableError,
     StoreReader,
+    aligned_buffer,
     break_even_gap_bytes,
     plan_reads,
     row_matrix,
@@ -335,6 +336,31 @@ def test_bad_arguments(direct_dir: Path) -> None:
     reader.close()
     with pytest.raises(ValueError, match="closed"):
         reader.read(0, torch.tensor([1]), out)
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="needs Linux's /proc/self/smaps")
+def test_staging_memory_may_take_transparent_huge_pages() -> None:
+    """`aligned_buffer` memory is page-aligned, writable, and (private, advised `MADV_HUGEPAGE`) eligible
+    for transparent huge pages wherever the kernel enables them at all (`enabled` not `[never]`)."""
+    buffer = aligned_buffer(8 << 20)
+    address = buffer.data_ptr()
+    assert address % 4096 == 0
+    buffer.fill_(7)
+    assert int(buffer[-1]) == 7
+    eligible = None
+    with open("/proc/self/smaps") as smaps:
+        within = False
+        for line in smaps:
+            first = line.split()[0]
+            if "-" in first and not first.endswith(":"):
+                start, end = (int(bound, 16) for bound in first.split("-"))
+                within = start <= address < end
+            elif within and first == "THPeligible:":
+                eligible = line.split()[1] == "1"
+    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    kernel_allows = enabled.is_file() and "[never]" not in enabled.read_text()
+    assert eligible is not None, "the buffer's mapping has no THPeligible line in /proc/self/smaps"
+    assert eligible == kernel_allows
 
 
 def test_break_even_gap() -> None:
