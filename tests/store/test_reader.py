@@ -4,6 +4,7 @@ errors, batching, and counters that agree with the kernel."""
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from flashlm.store.reader import (
     aligned_buffer,
     break_even_gap_bytes,
     plan_reads,
+    row_matrices,
     row_matrix,
     split_chunks,
 )
@@ -336,6 +338,28 @@ def test_bad_arguments(direct_dir: Path) -> None:
     reader.close()
     with pytest.raises(ValueError, match="closed"):
         reader.read(0, torch.tensor([1]), out)
+
+
+def test_row_matrices_share_one_allocation_each_with_its_spare_block(direct_dir: Path) -> None:
+    """`row_matrices` lays the matrices one after another in one storage, each on a page boundary with
+    a spare block after its last row, so O_DIRECT reads of any rows land in each without touching the
+    next; their sizes need not be whole blocks."""
+    f, data = make_file(direct_dir, 300, 1000)  # 2000-byte rows
+    shapes = [(300, 1000), (7, 3), (300, 1000)]
+    matrices = row_matrices(shapes, torch.bfloat16)
+    assert [tuple(m.shape) for m in matrices] == shapes
+    assert len({m.untyped_storage().data_ptr() for m in matrices}) == 1
+    for matrix, following in itertools.pairwise(matrices):
+        assert matrix.data_ptr() % ALIGNMENT == 0
+        end = matrix.data_ptr() + matrix.numel() * matrix.element_size()
+        assert following.data_ptr() >= end + ALIGNMENT
+    small = matrices[1].copy_(torch.arange(21).view(7, 3))
+    ids = torch.tensor([0, 1, 150, 299])
+    with StoreReader({"m": f}, direct_io=True) as reader:
+        for matrix in (matrices[0], matrices[2]):
+            reader.read_in_place("m", ids, matrix)
+            assert torch.equal(matrix[ids], data[ids])
+    assert torch.equal(small, torch.arange(21).view(7, 3).bfloat16())
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="needs Linux's /proc/self/smaps")

@@ -30,7 +30,7 @@ from ..ops.select import TopUnits
 from ..store import RowFile, Store, StoreReader
 from ..store.disk import DiskProfile, disk_profile
 from ..store.format import dense_kinds
-from ..store.reader import InPlaceReads, PendingRead, pin_for_gpu, row_matrix
+from ..store.reader import InPlaceReads, PendingRead, pin_for_gpu, row_matrices
 from .io_thread import IOThread
 from .stats import FlashStats, StatsRecorder
 from .trace import TraceRecorder
@@ -383,16 +383,12 @@ class FlashRuntime(Runtime):
         self.d_model = store.d_model
         self.layer_mlp_bytes = (3 if store.gated else 2) * store.d_model * store.d_ff * store.dtype.itemsize
         """Bytes of one layer's dense MLP weights: what a token uses at density 1."""
-        pinned = pin_for_gpu()
-        self.staging = {
-            kind: [
-                row_matrix(
-                    store.row_file(0, kind).rows, store.row_file(0, kind).width, store.dtype, pinned=pinned
-                )
-                for _ in range(2)
-            ]
-            for kind in kinds
-        }
+        shapes = [(store.row_file(0, kind).rows, store.row_file(0, kind).width) for kind in kinds]
+        matrices = iter(
+            row_matrices([shape for shape in shapes for _ in range(2)], store.dtype, pinned=pin_for_gpu())
+        )
+        self.staging = {kind: [next(matrices), next(matrices)] for kind in kinds}
+        """Each kind's two staging matrices, all in one allocation where it is not pinned (`row_matrices`)."""
 
         def two_sets(kind: str) -> tuple[TopUnits, TopUnits]:
             return TopUnits(store.row_file(0, kind).rows), TopUnits(store.row_file(0, kind).rows)
@@ -867,9 +863,14 @@ class FlashRuntime(Runtime):
         return [row_files[key].read_amplification for key in self._cache_keys]
 
     def _staging_bytes(self) -> int:
-        """The staging buffers' bytes: each one's whole allocation (its storage), with the spare block
-        `row_matrix` adds and, pinned, the rest of the allocator's block."""
-        return sum(b.untyped_storage().nbytes() for bufs in self.staging.values() for b in bufs)
+        """The staging buffers' bytes: their allocations (storages), each counted once, with the spare
+        blocks `row_matrices` adds and, pinned, the rest of the allocator's blocks."""
+        storages = {
+            b.untyped_storage().data_ptr(): b.untyped_storage()
+            for bufs in self.staging.values()
+            for b in bufs
+        }
+        return sum(storage.nbytes() for storage in storages.values())
 
     def _decode_buffer_bytes(self) -> int:
         buffers = [
