@@ -25,6 +25,7 @@ from flashlm.store import reader as reader_mod
 from flashlm.store.disk import supports_direct
 from flashlm.store.reader import (
     ALIGNMENT,
+    SPREAD_CHUNKS,
     DirectIOUnavailableError,
     StoreReader,
     aligned_buffer,
@@ -137,7 +138,7 @@ def test_contiguous_ids_are_one_request_per_chunk(direct_dir: Path) -> None:
     [
         (6, 4 * ALIGNMENT),  # little to read: chunk-sized requests
         (29, 10 * ALIGNMENT),  # 29 rows of 4 KiB over 3 threads: a third each, in whole blocks
-        (2000, 16 * ALIGNMENT),  # much to read: at most SPREAD_CHUNKS (4) chunks a request
+        (2000, SPREAD_CHUNKS * 4 * ALIGNMENT),  # much to read: at most SPREAD_CHUNKS chunks a request
     ],
 )
 def test_long_in_place_reads_take_one_request_per_thread(
@@ -742,7 +743,7 @@ def test_a_read_woken_by_one_thread_is_served_by_several(direct_dir: Path) -> No
         assert library.flashlm_reader_peak_serving(pool) == 1
         time.sleep(0.05)  # the pool's threads are asleep again
         done = reader.read_in_place(0, torch.arange(2048), matrix)
-        assert done.reads >= 64  # 6 MiB in requests of at most 64 KiB
+        assert done.reads >= (6 << 20) // (SPREAD_CHUNKS * 16384)  # requests of at most SPREAD_CHUNKS chunks
         # the submission wakes one thread and the wait one more: the others were woken by threads
         assert library.flashlm_reader_peak_serving(pool) >= 3
     assert torch.equal(matrix, data)

@@ -93,8 +93,12 @@ up to `SPREAD_CHUNKS` times this (`StoreReader.request_bytes`)."""
 # makes requests larger than `chunk_bytes`, up to SPREAD_CHUNKS chunks each. Against 256 KiB
 # requests, one process each: Qwen2.5-1.5B dense@50% 1.18x (1.93 / 1.64 tok/s) with default kernels
 # and 1.25x with AVX2's, DIP-CA@0.6 1.10x, every block pair faster; SmolLM2's reads make the same
-# requests either way.
-SPREAD_CHUNKS = 4
+# requests either way. Into staging matrices in huge pages (`aligned_buffer`), where a 4 MiB request
+# cost 54-190 us of CPU against 228-389 in 4 KiB pages (README), up to 4 MiB against up to 1 MiB
+# (alternated in one process, a /tmp copy of benchmarks/alternate.py): Qwen2.5-1.5B dense@50% 1.12x and
+# 1.04x tokens/s in two runs, @70% 1.07x (13 of 14 block pairs faster; default kernels), 0.99x with
+# AVX2's; DIP@0.6 and DIP-CA@0.6, whose runs are shorter, 0.99-1.01x.
+SPREAD_CHUNKS = 16
 """Largest request of a long in-place read, in chunks (`StoreReader.request_bytes`)."""
 # A thread that sleeps while its read finishes leaves its core idle; on a VM the idle vCPU halts, and
 # the products right after the wake-up run slower (README, `per_token_path.py`: "a core that slept").
