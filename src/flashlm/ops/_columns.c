@@ -48,7 +48,7 @@
  * for the prefetchers to follow (a down row is 1152 bytes on SmolLM2-135M, 3 KB on Qwen2.5-1.5B); by
  * rows, a thread streams whole rows. One token's product over a down matrix at density 0.6, alternated
  * in one process (benchmarks/column_blocks.py, 400 products, 2-core AMD EPYC VM): Qwen2.5-1.5B
- * 0.78-1.01 -> 0.58-0.75 ms, SmolLM2 0.076-0.115 -> 0.062-0.084 ms, default and AVX2 builds; the wider
+ * 0.77-1.01 -> 0.58-0.75 ms, SmolLM2 0.076-0.115 -> 0.062-0.084 ms, default and AVX2 builds; the wider
  * DIP input rows (6 KB and 35 KB) gained nothing from it. In a decode (benchmarks/alternate.py, the two
  * kernels alternated per block in one process), Qwen2.5-1.5B DIP@0.6 with every unit resident computed
  * in 56.2 against 61.1 ms per token (default kernels) and 58.6 against 65.4 (AVX2), every block faster;

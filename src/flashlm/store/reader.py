@@ -96,7 +96,7 @@ up to `SPREAD_CHUNKS` times this (`StoreReader.request_bytes`)."""
 # requests either way. Into staging matrices in huge pages (`aligned_buffer`), where a 4 MiB request
 # cost 54-190 us of CPU against 228-389 in 4 KiB pages (README), up to 4 MiB against up to 1 MiB
 # (alternated in one process, a /tmp copy of benchmarks/alternate.py): Qwen2.5-1.5B dense@50% 1.12x and
-# 1.04x tokens/s in two runs, @70% 1.07x (13 of 14 block pairs faster; default kernels), 0.99x with
+# 1.04x tokens/s in two runs, @70% 1.07x (12 of 14 block pairs faster; default kernels), 0.99x with
 # AVX2's; DIP@0.6 and DIP-CA@0.6, whose runs are shorter, 0.99-1.01x.
 SPREAD_CHUNKS = 16
 """Largest request of a long in-place read, in chunks (`StoreReader.request_bytes`)."""
@@ -120,7 +120,7 @@ _waits = threading.local()
 # decode on two cores": 45-59 against 75-95 µs per 1 MiB request), time the decode's products share their
 # two cores with. Staging matrices in huge pages against 4 KiB ones, alternated in one process
 # (benchmarks/alternate.py, a /tmp copy switching the allocation per variant; 2-core AMD EPYC VM, 50%
-# budget): Qwen2.5-1.5B's compute per token fell 4-7% in every pair (dense 180.6 -> 167.7 ms, DIP@0.6
+# budget): Qwen2.5-1.5B's median compute per token fell 3-7% (dense 180.6 -> 167.7 ms, DIP@0.6
 # 70.6 -> 66.8, default kernels; dense 113.5 -> 109.6, DIP-CA@0.6 80.8 -> 74.9, AVX2's) at 1.01-1.06x the
 # tokens/s. SmolLM2-135M's staging matrices (1.8 MB a kind) are mostly too small for a 2 MiB page.
 HUGE_PAGES = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -193,8 +193,8 @@ def row_matrices(
     mapping. SmolLM2-135M's staging matrices (1.8 MB each) in one allocation against one each, alternated
     in one process at a 50% budget (benchmarks/alternate.py, a /tmp copy; 2-core AMD EPYC VM): dense
     1.03x tokens/s, DIP@0.6 1.08x (default kernels), dense 1.06x, DIP-CA@0.6 1.07x (AVX2's), faster in
-    22 of 24 block pairs. Pinned, each is an allocation of its own: torch's pinned allocator rounds each
-    one up to a power of two, and one for all would round up the total."""
+    21 of 24 block pairs (one equal). Pinned, each is an allocation of its own: torch's pinned allocator
+    rounds each one up to a power of two, and one for all would round up the total."""
     sizes = [rows * width * dtype.itemsize for rows, width in shapes]
     spans = [-(-(size + ALIGNMENT) // ALIGNMENT) * ALIGNMENT for size in sizes]  # whole pages
     if pinned:
