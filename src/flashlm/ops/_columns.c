@@ -56,6 +56,7 @@
 #define SPLIT_WIDTH 2048
 #define PARTS 2
 _Static_assert(GROUP == 8, "the sum in DEFINE_COLUMNS is written out for eight rows");
+_Static_assert(PARTS == 2, "the parts' sum in DEFINE_PARALLEL is written out for two");
 
 
 /* Up to GROUP rows with a nonzero coefficient, starting the scan at *k; returns how many. */
@@ -143,7 +144,6 @@ static inline int next_group(const float *coef, int64_t ldc, const int64_t *cidx
                              index ? rows : rows + k0 * ldr, ldr, index ? index + k0 : NULL, part[p],  \
                              width, 0, width);                                                        \
             }                                                                                         \
-            _Static_assert(PARTS == 2, "the parts' sum is written out for two");                      \
             for (int64_t j = 0; j < width; j++) out[j] += part[0][j] + part[1][j];                    \
             return 0;                                                                                 \
         }                                                                                             \
