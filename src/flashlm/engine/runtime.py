@@ -384,10 +384,10 @@ class FlashRuntime(Runtime):
         self.layer_mlp_bytes = (3 if store.gated else 2) * store.d_model * store.d_ff * store.dtype.itemsize
         """Bytes of one layer's dense MLP weights: what a token uses at density 1."""
         shapes = [(store.row_file(0, kind).rows, store.row_file(0, kind).width) for kind in kinds]
-        matrices = iter(
-            row_matrices([shape for shape in shapes for _ in range(2)], store.dtype, pinned=pin_for_gpu())
+        matrices = row_matrices(
+            [shape for shape in shapes for _ in range(2)], store.dtype, pinned=pin_for_gpu()
         )
-        self.staging = {kind: [next(matrices), next(matrices)] for kind in kinds}
+        self.staging = {kind: matrices[2 * i : 2 * i + 2] for i, kind in enumerate(kinds)}
         """Each kind's two staging matrices, all in one allocation where it is not pinned (`row_matrices`)."""
 
         def two_sets(kind: str) -> tuple[TopUnits, TopUnits]:
@@ -397,6 +397,7 @@ class FlashRuntime(Runtime):
         """Each of the `selection_kinds`' two sets of buffers for a decode token's selection fused with its
         lookup (`SparseMLP._stage`), which the layers take in turn (`selection_units`)."""
         self._in_place: dict[tuple[int, str, int], InPlaceReads | None] = {}
+        """The C pool's reads into each (layer, kind, staging buffer), made on first use."""
         self._top_units_turn = dict.fromkeys(selection_kinds, 0)
         self._held: dict[TopUnits, Future[None]] = {}
         """The cache update queued on the I/O thread that still reads each set's buffers (`update_caches`)."""
@@ -865,12 +866,8 @@ class FlashRuntime(Runtime):
     def _staging_bytes(self) -> int:
         """The staging buffers' bytes: their allocations (storages), each counted once, with the spare
         blocks `row_matrices` adds and, pinned, the rest of the allocator's blocks."""
-        storages = {
-            b.untyped_storage().data_ptr(): b.untyped_storage()
-            for bufs in self.staging.values()
-            for b in bufs
-        }
-        return sum(storage.nbytes() for storage in storages.values())
+        storages = (b.untyped_storage() for bufs in self.staging.values() for b in bufs)
+        return sum({storage.data_ptr(): storage.nbytes() for storage in storages}.values())
 
     def _decode_buffer_bytes(self) -> int:
         buffers = [

@@ -38,7 +38,7 @@ from ..store import ModuleSource, SafetensorsSource
 from ..store.format import update_content_hash
 from ..store.location import open_or_convert
 from ..store.reader import aligned_buffer, pin_for_gpu
-from ..store.rowfile import ALIGNMENT
+from ..store.rowfile import whole_blocks
 from .base import DenseOnly, MethodModule, Replacer, Target, register_method
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ def working_bytes(store: EndorStore) -> int:
     largest = largest_linear_bytes(store)
     numel = largest // store.dtype.itemsize
     return (
-        2 * -(-max(layer.data_bytes for layer in store.layers) // ALIGNMENT) * ALIGNMENT
+        2 * whole_blocks(max(layer.data_bytes for layer in store.layers))
         + largest
         + numel * 4
         + (numel + 1) * store.dtype.itemsize
@@ -114,7 +114,7 @@ class EndorRuntime(Runtime):
         self._next_disk = dict(pairwise(disk))
         self._staging: list[torch.Tensor] = []
         if disk:
-            largest = -(-max(compressed[index] for index in disk) // ALIGNMENT) * ALIGNMENT
+            largest = whole_blocks(max(compressed[index] for index in disk))
             self._staging = [aligned_buffer(largest) for _ in range(2)]
         self._pending: dict[int, tuple[Future, int]] = {}
         self._loaded: _Loaded | None = None

@@ -40,7 +40,7 @@ import torch
 
 from .._native import load_library
 from ..errors import ConfigError, FlashLMError, StoreCorruptError, StoreNotFoundError
-from .rowfile import ALIGNMENT, RowFile
+from .rowfile import ALIGNMENT, RowFile, whole_blocks
 
 NATIVE_SOURCE = Path(__file__).with_name("_reader.c")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -166,7 +166,7 @@ def aligned_buffer(nbytes: int, *, pinned: bool = False) -> torch.Tensor:
     memory from torch's pinned allocator. Its storage's bytes are all it took."""
     if not pinned:
         memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if HUGE_PAGES:
+        if HUGE_PAGES is not None:
             with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KiB pages
                 memory.madvise(HUGE_PAGES)
         return torch.frombuffer(memory, dtype=torch.uint8)[:nbytes]
@@ -196,7 +196,7 @@ def row_matrices(
     21 of 24 block pairs (one equal). Pinned, each is an allocation of its own: torch's pinned allocator
     rounds each one up to a power of two, and one for all would round up the total."""
     sizes = [rows * width * dtype.itemsize for rows, width in shapes]
-    spans = [-(-(size + ALIGNMENT) // ALIGNMENT) * ALIGNMENT for size in sizes]  # whole pages
+    spans = [whole_blocks(size + ALIGNMENT) for size in sizes]
     if pinned:
         buffers = [aligned_buffer(span, pinned=True) for span in spans]
     else:
@@ -509,7 +509,7 @@ class StoreReader:
         self._lock = threading.Lock()
         self._closed = True  # until everything below exists
         self._open_all(direct_io)
-        self.buffer_bytes = max(-(-wanted // ALIGNMENT) * ALIGNMENT, ALIGNMENT)
+        self.buffer_bytes = max(whole_blocks(wanted), ALIGNMENT)
         self._serves_rows = wanted > 0
         self._buffer = mmap.mmap(-1, self.buffer_bytes)  # anonymous: page-aligned, as O_DIRECT needs
         self._view = memoryview(self._buffer)
@@ -826,7 +826,7 @@ class StoreReader:
         if self._closed:
             raise ValueError("This StoreReader is closed.")
         f = self.files[key]
-        length = -(-f.nbytes // ALIGNMENT) * ALIGNMENT if self.mode == "direct" else f.nbytes
+        length = whole_blocks(f.nbytes) if self.mode == "direct" else f.nbytes
         if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous() or out.numel() < length:
             raise ValueError(f"out must be a contiguous 1-D uint8 tensor of at least {length} bytes.")
         if self.mode == "direct" and out.data_ptr() % mmap.PAGESIZE:

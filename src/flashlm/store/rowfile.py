@@ -11,6 +11,11 @@ ALIGNMENT = 4096
 """Byte alignment of every matrix's first row in a store file (O_DIRECT needs block-aligned reads)."""
 
 
+def whole_blocks(nbytes: int) -> int:
+    """`nbytes` rounded up to a multiple of `ALIGNMENT`."""
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
 @dataclass(frozen=True)
 class RowFile:
     """A row-major `[rows, width]` matrix of `dtype` at byte `data_offset` of `path`.
