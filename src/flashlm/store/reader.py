@@ -97,7 +97,9 @@ up to `SPREAD_CHUNKS` times this (`StoreReader.request_bytes`)."""
 # cost 54-190 us of CPU against 228-389 in 4 KiB pages (README), up to 4 MiB against up to 1 MiB
 # (alternated in one process, a /tmp copy of benchmarks/alternate.py): Qwen2.5-1.5B dense@50% 1.12x and
 # 1.04x tokens/s in two runs, @70% 1.07x (12 of 14 block pairs faster; default kernels), 0.99x with
-# AVX2's; DIP@0.6 and DIP-CA@0.6, whose runs are shorter, 0.99-1.01x.
+# AVX2's; DIP@0.6 and DIP-CA@0.6, whose runs are shorter, 0.99-1.01x. Larger requests are split by the
+# disk's queue anyway (`max_sectors_kb` 4096 there): up to 8 MiB and 16 MiB against 4 MiB, Qwen2.5-1.5B
+# dense@50% decoded 1.06x / 1.06x, then 0.96x / 0.96x (default kernels), 0.85x / 0.88x (AVX2's).
 SPREAD_CHUNKS = 16
 """Largest request of a long in-place read, in chunks (`StoreReader.request_bytes`)."""
 # A thread that sleeps while its read finishes leaves its core idle; on a VM the idle vCPU halts, and
