@@ -97,6 +97,12 @@ def main() -> None:
     parser.add_argument("--size", default="1GB", help="test file size (default 1GB)")
     parser.add_argument("--seconds", type=float, default=1.5, help="seconds per (chunk, threads) cell")
     parser.add_argument("--out", default="reader_throughput.json", help="JSON results file")
+    parser.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="read into huge pages, as the reader's staging matrices are (default: 4 KiB pages, as the "
+        "disk profile reads)",
+    )
     args = parser.parse_args()
 
     directory = pick_dir(args.dir)
@@ -110,8 +116,10 @@ def main() -> None:
         cells = []
         for chunk in CHUNKS:
             for threads in THREADS:
-                cells.append(random_read_throughput(path, chunk, threads, args.seconds))
-        latency = random_read_throughput(path, 4096, 1, max(args.seconds, 2.0))
+                cells.append(
+                    random_read_throughput(path, chunk, threads, args.seconds, huge_pages=args.huge_pages)
+                )
+        latency = random_read_throughput(path, 4096, 1, max(args.seconds, 2.0), huge_pages=args.huge_pages)
         best = max(cells, key=lambda c: c["bytes_per_s"])
         # The smallest chunk within 10% of the best bandwidth, and the fewest threads that get it.
         good = [c for c in cells if c["bytes_per_s"] >= 0.9 * best["bytes_per_s"]]
@@ -156,6 +164,7 @@ def main() -> None:
             "device": device_of(directory),
             "file_bytes": size,
             "seconds_per_cell": args.seconds,
+            "huge_pages": args.huge_pages,
             "cells": cells,
             "latency_4k_1thread": latency,
             "best": best,

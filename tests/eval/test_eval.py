@@ -693,6 +693,32 @@ def test_a_failing_configuration_leaves_the_others_and_exits_nonzero(
     assert (out / "bench.png").is_file()
 
 
+def test_the_disk_bound_measures_the_requests_the_reader_makes(tmp_path, monkeypatch):
+    """The bound's disk measurement reads as the reader does at its fastest (its longest request, the
+    most requests in flight of its disk profile, into huge pages): a configuration cannot decode faster
+    than its bound."""
+    from flashlm.eval import bench
+    from flashlm.store import disk
+    from flashlm.store.reader import DEFAULT_CHUNK_BYTES, SPREAD_CHUNKS
+
+    measured = []
+
+    def fake_throughput(path, chunk, threads, seconds, *, huge_pages):
+        measured.append((chunk, threads))
+        assert path.is_file() and path.parent == tmp_path
+        assert huge_pages  # as the reader's staging matrices are
+        return {"chunk_bytes": chunk, "threads": threads, "bytes_per_s": float(chunk * threads)}
+
+    monkeypatch.setattr(disk, "supports_direct", lambda directory: True)
+    monkeypatch.setattr(disk, "random_read_throughput", fake_throughput)
+    cells = bench.disk_throughput(tmp_path, seconds=0.01, size=1 << 20)
+
+    longest = (DEFAULT_CHUNK_BYTES * SPREAD_CHUNKS, max(disk.PROFILE_THREADS))
+    assert measured == [longest, *bench.THROUGHPUT_GRID]
+    assert max(cell["bytes_per_s"] for cell in cells) == longest[0] * longest[1]
+    assert list(tmp_path.iterdir()) == []  # the test file is removed
+
+
 def test_an_interrupted_bench_keeps_what_it_measured(tmp_path, monkeypatch):
     """Interrupted at the third configuration, the report holds the first two and names the rest."""
     import json

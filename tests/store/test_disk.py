@@ -24,14 +24,15 @@ def test_small_stores_are_not_profiled(tmp_path) -> None:
     assert disk_profile([]) is None
 
 
-def test_random_reads_spread_over_several_files(direct_dir) -> None:
+@pytest.mark.parametrize("huge_pages", [False, True])
+def test_random_reads_spread_over_several_files(direct_dir, huge_pages) -> None:
     files = [direct_dir / f"f{i}" for i in range(3)]
     for i, f in enumerate(files):
         f.write_bytes(bytes([i]) * (4 + i) * ALIGNMENT)
-    cell = random_read_throughput(files, 2 * ALIGNMENT, threads=2, seconds=0.05)
-    assert cell["reads"] > 0 and cell["bytes_per_s"] > 0
+    cell = random_read_throughput(files, 2 * ALIGNMENT, threads=2, seconds=0.05, huge_pages=huge_pages)
+    assert cell["reads"] > 0 and cell["bytes_per_s"] == cell["reads"] * 2 * ALIGNMENT / cell["seconds"]
     with pytest.raises(ValueError, match="smaller"):
-        random_read_throughput(files, 64 * ALIGNMENT, threads=1, seconds=0.01)
+        random_read_throughput(files, 64 * ALIGNMENT, threads=1, seconds=0.01, huge_pages=huge_pages)
 
 
 def test_profile_is_measured_once_per_disk_and_remembered(direct_dir, tmp_path, monkeypatch) -> None:

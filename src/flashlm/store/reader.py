@@ -162,16 +162,22 @@ def pin_for_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def anonymous_memory(nbytes: int) -> mmap.mmap:
+    """`nbytes` (at least one) of private anonymous memory, page-aligned, advised to take transparent
+    huge pages (`HUGE_PAGES`): the kernel grants them where it can."""
+    memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if HUGE_PAGES is not None:
+        with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KiB pages
+            memory.madvise(HUGE_PAGES)
+    return memory
+
+
 def aligned_buffer(nbytes: int, *, pinned: bool = False) -> torch.Tensor:
     """A page-aligned CPU uint8 tensor of `nbytes`, as O_DIRECT reads need: private anonymous memory in
     transparent huge pages where the kernel grants them (`HUGE_PAGES`), or with `pinned` page-locked
     memory from torch's pinned allocator. Its storage's bytes are all it took."""
     if not pinned:
-        memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if HUGE_PAGES is not None:
-            with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KiB pages
-                memory.madvise(HUGE_PAGES)
-        return torch.frombuffer(memory, dtype=torch.uint8)[:nbytes]
+        return torch.frombuffer(anonymous_memory(nbytes), dtype=torch.uint8)[:nbytes]
     # the pinned allocator hands out power-of-two blocks: take the whole block, so that the storage
     # (what a budget counts) is what was taken, with room to start on a page boundary
     block = torch.empty(1 << (nbytes + ALIGNMENT - 1).bit_length(), dtype=torch.uint8, pin_memory=True)
