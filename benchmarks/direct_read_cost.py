@@ -24,8 +24,7 @@ from read_cpu_cost import cpu_seconds  # from this folder
 from flashlm import FlashConfig
 from flashlm.data.models import default_model_path
 from flashlm.methods.mlp import open_checkpoint_store
-
-HUGE_PAGE = 2 << 20
+from flashlm.store.reader import HUGE_PAGE_BYTES, anonymous_memory
 
 
 def anon_huge_kib() -> int:
@@ -37,17 +36,19 @@ def anon_huge_kib() -> int:
 
 
 def buffer(nbytes: int, huge: bool) -> mmap.mmap:
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    memory = mmap.mmap(-1, nbytes, flags=flags)
-    if huge:
-        memory.madvise(mmap.MADV_HUGEPAGE)
+    """Private anonymous memory, advised to take huge pages (as the reader's staging) or not."""
+    memory = (
+        anonymous_memory(nbytes)
+        if huge
+        else mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    )
     for offset in range(0, nbytes, mmap.PAGESIZE):  # fault every page in before timing
         memory[offset] = 0
     return memory
 
 
 def measure(files: list[Path], request: int, huge: bool, total: int) -> dict[str, float]:
-    memory = buffer(max(request, HUGE_PAGE), huge)
+    memory = buffer(max(request, HUGE_PAGE_BYTES), huge)
     target = memoryview(memory)[:request]
     huge_kib = anon_huge_kib()
     fds = [os.open(path, os.O_RDONLY | os.O_DIRECT) for path in files]

@@ -45,10 +45,6 @@ def write_test_file(path: Path, size: int) -> None:
         os.fsync(f.fileno())
 
 
-HUGE_PAGE = 2 << 20
-"""Bytes of a transparent huge page on x86-64."""
-
-
 def random_read_throughput(
     path: Path | Sequence[Path], chunk: int, threads: int, seconds: float, *, huge_pages: bool = False
 ) -> dict:
@@ -58,7 +54,7 @@ def random_read_throughput(
     page boundary. A virtual disk may move twice the bytes per second into huge pages: on the
     development VM, 4 MiB requests on 4 threads ran at 1.07 GB/s into 4 KiB pages and 2.7-2.9 GB/s
     into huge pages. The disk profile reads into 4 KiB pages, as when its choices were measured."""
-    from .reader import anonymous_memory
+    from .reader import HUGE_PAGE_BYTES, anonymous_memory
 
     paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
     slots = [(os.path.getsize(p) - chunk) // ALIGNMENT for p in paths]
@@ -71,9 +67,9 @@ def random_read_throughput(
 
     def worker(t: int) -> None:
         fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
-        memory = anonymous_memory(chunk + HUGE_PAGE) if huge_pages else mmap.mmap(-1, chunk)
+        memory = anonymous_memory(chunk + HUGE_PAGE_BYTES) if huge_pages else mmap.mmap(-1, chunk)
         pages = np.frombuffer(memory, dtype=np.uint8)
-        start = -pages.ctypes.data % HUGE_PAGE if huge_pages else 0
+        start = -pages.ctypes.data % HUGE_PAGE_BYTES if huge_pages else 0
         buf = pages[start : start + chunk]
         rng = random.Random(t)
         try:

@@ -127,6 +127,8 @@ _waits = threading.local()
 # tokens/s. SmolLM2-135M's staging matrices (1.8 MB a kind) are mostly too small for a 2 MiB page.
 HUGE_PAGES = getattr(mmap, "MADV_HUGEPAGE", None)
 """The advice that asks for transparent huge pages (None where Python's `mmap` has none)."""
+HUGE_PAGE_BYTES = 2 << 20
+"""Bytes of a transparent huge page (x86-64, and arm64 with 4 KiB pages)."""
 
 
 def sleep_while_reading() -> None:
