@@ -4,12 +4,13 @@ store's own files, remembered, and skipped where it cannot mean anything."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from flashlm.store import disk
 from flashlm.store.disk import DiskProfile, disk_profile, random_read_throughput
-from flashlm.store.reader import ALIGNMENT, break_even_gap_bytes
+from flashlm.store.reader import ALIGNMENT, HUGE_PAGE_BYTES, break_even_gap_bytes
 
 
 def test_merge_gap_is_the_break_even_of_the_measured_disk() -> None:
@@ -25,12 +26,22 @@ def test_small_stores_are_not_profiled(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("huge_pages", [False, True])
-def test_random_reads_spread_over_several_files(direct_dir, huge_pages) -> None:
+def test_random_reads_spread_over_several_files(direct_dir, huge_pages, monkeypatch) -> None:
     files = [direct_dir / f"f{i}" for i in range(3)]
     for i, f in enumerate(files):
         f.write_bytes(bytes([i]) * (4 + i) * ALIGNMENT)
+    read, landed_at = os.preadv, set()
+
+    def preadv(fd, buffers, offset):
+        landed_at.add(buffers[0].ctypes.data)
+        return read(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
     cell = random_read_throughput(files, 2 * ALIGNMENT, threads=2, seconds=0.05, huge_pages=huge_pages)
     assert cell["reads"] > 0 and cell["bytes_per_s"] == cell["reads"] * 2 * ALIGNMENT / cell["seconds"]
+    assert len(landed_at) == 2  # one buffer per thread
+    if huge_pages:  # each starts a huge page, as the reader's staging matrices do
+        assert all(address % HUGE_PAGE_BYTES == 0 for address in landed_at)
     with pytest.raises(ValueError, match="smaller"):
         random_read_throughput(files, 64 * ALIGNMENT, threads=1, seconds=0.01, huge_pages=huge_pages)
 
