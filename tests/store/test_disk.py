@@ -39,7 +39,7 @@ def test_random_reads_spread_over_several_files(direct_dir, huge_pages, monkeypa
     monkeypatch.setattr(os, "preadv", preadv)
     cell = random_read_throughput(files, 2 * ALIGNMENT, threads=2, seconds=0.05, huge_pages=huge_pages)
     assert cell["reads"] > 0 and cell["bytes_per_s"] == cell["reads"] * 2 * ALIGNMENT / cell["seconds"]
-    assert len(landed_at) == 2  # one buffer per thread
+    assert 0 < len(landed_at) <= 2  # a buffer per thread that read (a late one may not have)
     if huge_pages:  # each starts a huge page, as the reader's staging matrices do
         assert all(address % HUGE_PAGE_BYTES == 0 for address in landed_at)
     with pytest.raises(ValueError, match="smaller"):
