@@ -126,8 +126,8 @@ class FlashConfig(QuantizationConfigMixin):
             fewest threads near its best throughput, and the merge gap its request cost and bandwidth
             give (`flashlm.store.disk.disk_profile`); without O_DIRECT, the reader's defaults.
         io_chunk_bytes: request size of a read (a multiple of 4096); a long in-place read takes up to
-            four times this, one request per reader thread (`StoreReader.request_bytes`). `None`
-            takes the measured default.
+            `SPREAD_CHUNKS` (16) times this, one request per reader thread
+            (`StoreReader.request_bytes`). `None` takes the measured default.
         cache_split: how the budget's cache bytes are shared between unit kinds: `"read-cost"`
             fills first the caches whose misses cost the disk most bytes per unit byte (small units
             under-fill a 4 KiB page), `"size"` shares in proportion to each cache's full size,
