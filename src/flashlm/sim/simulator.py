@@ -620,12 +620,15 @@ def plan_trace_reads(
 ) -> np.ndarray:
     """The request sizes (bytes) flashlm's `StoreReader` issues to read `missed_ids` of one file.
 
-    Follows the reader exactly (O_DIRECT mode): `plan_reads` widens each row to `ALIGNMENT`
+    Follows the reader's plan (O_DIRECT mode): `plan_reads` widens each row to `ALIGNMENT`
     (4096-byte) extents and merges runs at most `merge_gap_bytes` apart, then `split_chunks` cuts
     each run into requests of at most `chunk_bytes`. `missed_ids` are sorted unique ids, one call
     (an array) or several (a list: their requests concatenated). Store files start their rows at
     a multiple of `ALIGNMENT`, so offset 0 gives the same extents. The reader's I/O buffer holds a
-    whole file, so runs are never cut to fit it.
+    whole file, so runs are never cut to fit it. One difference: the reader cuts a long in-place read
+    into larger requests, one per reader thread up to `SPREAD_CHUNKS` chunks each
+    (`StoreReader.request_bytes`); the reader's threads are not known here (the disk profile sets
+    them), so such a read is planned here in more, smaller requests than it makes.
     """
     calls = [missed_ids] if isinstance(missed_ids, np.ndarray) else missed_ids
     sizes = []
