@@ -36,12 +36,8 @@ def anon_huge_kib() -> int:
 
 
 def buffer(nbytes: int, huge: bool) -> mmap.mmap:
-    """Private anonymous memory, advised to take huge pages (as the reader's staging) or not."""
-    memory = (
-        anonymous_memory(nbytes)
-        if huge
-        else mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    )
+    """Anonymous memory in huge pages (as the reader's staging) or in 4 KiB pages."""
+    memory = anonymous_memory(nbytes, huge_pages=huge)
     for offset in range(0, nbytes, mmap.PAGESIZE):  # fault every page in before timing
         memory[offset] = 0
     return memory

@@ -29,6 +29,7 @@ from flashlm.store.reader import (
     DirectIOUnavailableError,
     StoreReader,
     aligned_buffer,
+    anonymous_memory,
     break_even_gap_bytes,
     plan_reads,
     row_matrices,
@@ -363,15 +364,14 @@ def test_row_matrices_share_one_allocation_each_with_its_spare_block(direct_dir:
     assert torch.equal(small, torch.arange(21).view(7, 3).bfloat16())
 
 
-@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="needs Linux's /proc/self/smaps")
-def test_staging_memory_may_take_transparent_huge_pages() -> None:
-    """`aligned_buffer` memory is page-aligned, writable, and (private, advised `MADV_HUGEPAGE`) eligible
-    for transparent huge pages wherever the kernel enables them at all (`enabled` not `[never]`)."""
-    buffer = aligned_buffer(8 << 20)
-    address = buffer.data_ptr()
-    assert address % 4096 == 0
-    buffer.fill_(7)
-    assert int(buffer[-1]) == 7
+THP_SETTINGS = Path("/sys/kernel/mm/transparent_hugepage")
+needs_smaps = pytest.mark.skipif(
+    not Path("/proc/self/smaps").is_file(), reason="needs Linux's /proc/self/smaps"
+)
+
+
+def thp_eligible(address: int) -> bool:
+    """Whether the mapping holding `address` may take transparent huge pages (`/proc/self/smaps`)."""
     eligible = None
     with open("/proc/self/smaps") as smaps:
         within = False
@@ -382,10 +382,41 @@ def test_staging_memory_may_take_transparent_huge_pages() -> None:
                 within = start <= address < end
             elif within and first == "THPeligible:":
                 eligible = line.split()[1] == "1"
-    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    kernel_allows = enabled.is_file() and "[never]" not in enabled.read_text()
-    assert eligible is not None, "the buffer's mapping has no THPeligible line in /proc/self/smaps"
-    assert eligible == kernel_allows
+    assert eligible is not None, "the mapping has no THPeligible line in /proc/self/smaps"
+    return eligible
+
+
+def thp_setting(name: str) -> str:
+    """The selected value of a transparent huge page setting ("never" where the kernel has none)."""
+    path = THP_SETTINGS / name
+    return path.read_text().split("[")[1].split("]")[0] if path.is_file() else "never"
+
+
+@needs_smaps
+def test_staging_memory_may_take_transparent_huge_pages() -> None:
+    """`aligned_buffer` memory is page-aligned, writable, and (private, advised `MADV_HUGEPAGE`) eligible
+    for transparent huge pages wherever the kernel enables them at all (`enabled` not `[never]`)."""
+    buffer = aligned_buffer(8 << 20)
+    address = buffer.data_ptr()
+    assert address % 4096 == 0
+    buffer.fill_(7)
+    assert int(buffer[-1]) == 7
+    assert thp_eligible(address) == (thp_setting("enabled") != "never")
+
+
+@needs_smaps
+def test_memory_without_huge_pages_keeps_to_small_pages() -> None:
+    """`anonymous_memory(huge_pages=False)` (the disk profile's reads, the benchmarks' 4 KiB cells) is
+    shared, so it takes huge pages only where the kernel gives them to shared memory unasked
+    (`shmem_enabled`), whatever it does for private memory."""
+    memory = anonymous_memory(8 << 20, huge_pages=False)
+    pages = np.frombuffer(memory, dtype=np.uint8)
+    pages[::4096] = 1
+    assert thp_eligible(pages.ctypes.data) == (
+        thp_setting("shmem_enabled") in ("always", "within_size", "force")
+    )
+    del pages
+    memory.close()
 
 
 def test_break_even_gap() -> None:

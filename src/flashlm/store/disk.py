@@ -6,7 +6,6 @@ configuration's bound; and by `benchmarks/reader_throughput.py` for the full chu
 from __future__ import annotations
 
 import dataclasses
-import mmap
 import os
 import random
 import threading
@@ -67,7 +66,7 @@ def random_read_throughput(
 
     def worker(t: int) -> None:
         fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
-        memory = anonymous_memory(chunk + HUGE_PAGE_BYTES) if huge_pages else mmap.mmap(-1, chunk)
+        memory = anonymous_memory(chunk + (HUGE_PAGE_BYTES if huge_pages else 0), huge_pages=huge_pages)
         pages = np.frombuffer(memory, dtype=np.uint8)
         start = -pages.ctypes.data % HUGE_PAGE_BYTES if huge_pages else 0
         buf = pages[start : start + chunk]

@@ -164,9 +164,13 @@ def pin_for_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def anonymous_memory(nbytes: int) -> mmap.mmap:
-    """`nbytes` (at least one) of private anonymous memory, page-aligned, advised to take transparent
-    huge pages (`HUGE_PAGES`): the kernel grants them where it can."""
+def anonymous_memory(nbytes: int, *, huge_pages: bool = True) -> mmap.mmap:
+    """`nbytes` (at least one) of anonymous memory, page-aligned: private and advised to take transparent
+    huge pages (`HUGE_PAGES`), which the kernel grants where it can; or, without `huge_pages`, shared,
+    which keeps it in 4 KiB pages whatever the kernel's setting for private memory (the disk profile's
+    measurement, and benchmarks comparing the two)."""
+    if not huge_pages:
+        return mmap.mmap(-1, max(nbytes, 1))
     memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if HUGE_PAGES is not None:
         with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KiB pages
