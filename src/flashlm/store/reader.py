@@ -525,7 +525,7 @@ class StoreReader:
         self._open_all(direct_io)
         self.buffer_bytes = max(whole_blocks(wanted), ALIGNMENT)
         self._serves_rows = wanted > 0
-        self._buffer = mmap.mmap(-1, self.buffer_bytes)  # anonymous: page-aligned, as O_DIRECT needs
+        self._buffer = anonymous_memory(self.buffer_bytes, huge_pages=False)  # page-aligned for O_DIRECT
         self._view = memoryview(self._buffer)
         self._windows: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         if self.threads > 1:
