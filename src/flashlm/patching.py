@@ -146,5 +146,10 @@ def trace(model: nn.Module) -> Trace:
         num_layers=store.num_layers,
         num_units={kind: store.row_file(0, kind).rows for kind in runtime.kinds},
         unit_bytes={kind: store.row_file(0, kind).row_bytes for kind in runtime.kinds},
-        metadata={"model_type": store.model_type, **runtime.config.to_dict()},
+        metadata={
+            "model_type": store.model_type,
+            **runtime.config.to_dict(),
+            # how the reader cut its reads, for the simulator to plan the trace's misses the same way
+            **({"reader": runtime.reader.plan_settings} if runtime.reader is not None else {}),
+        },
     )
