@@ -283,7 +283,13 @@ def test_latency_is_the_sum_of_its_parts():
 # ---- trace workloads --------------------------------------------------------------------------
 
 
-def _trace(num_layers: int = 2, num_units: int = 64, steps: int = 30, unit_bytes: int = 4096):
+def _trace(
+    num_layers: int = 2,
+    num_units: int = 64,
+    steps: int = 30,
+    unit_bytes: int = 4096,
+    metadata: dict | None = None,
+):
     rng = random.Random(0)
     recorder = TraceRecorder()
     for layer in range(num_layers):
@@ -292,7 +298,7 @@ def _trace(num_layers: int = 2, num_units: int = 64, steps: int = 30, unit_bytes
             used = {u for u in hot if rng.random() < 0.8} | set(rng.sample(range(num_units), 5))
             recorder.record(step, layer, "ffn", torch.tensor(sorted(used)))
     return recorder.finish(
-        num_layers=num_layers, num_units={"ffn": num_units}, unit_bytes={"ffn": unit_bytes}
+        num_layers=num_layers, num_units={"ffn": num_units}, unit_bytes={"ffn": unit_bytes}, metadata=metadata
     )
 
 
@@ -376,6 +382,46 @@ def test_plan_trace_reads_merges_and_chunks():
     # A 1152-byte row straddling a block boundary reads both blocks.
     assert plan_trace_reads(np.array([3]), 1152, 100).tolist() == [8192]
     assert plan_trace_reads([np.array([], dtype=np.int64)], 4096, 100).tolist() == []
+
+
+def test_trace_misses_are_planned_with_the_runs_reader_settings():
+    """A trace records how its run's reader cut reads (`StoreReader.plan_settings`); the simulator plans
+    the misses with those, and with the reader's defaults where a trace has none."""
+    settings = {"threads": 64, "chunk_bytes": 4096, "merge_gap_bytes": 0}  # one request per 4 KiB miss
+    model, profile = _tiny_model(), PRESETS["this-machine"]
+    capacities = {(0, "ffn"): 16, (1, "ffn"): 16}
+    expected = replay(_trace(), capacity=capacities, policy="lru", record_misses=True)
+    results = {}
+    for name, metadata in (("recorded", {"reader": settings}), ("defaults", None)):
+        workload = Workload(model, _trace(metadata=metadata))
+        results[name] = simulate(
+            profile, workload, policy="lru", capacities=capacities, include_compute=False
+        )
+    for name, plan in (("recorded", settings), ("defaults", {})):
+        sizes = np.concatenate(
+            [plan_trace_reads(missed, 4096, 64, **plan) for missed in expected.missed_ids.values()]
+        )
+        assert results[name].flash_requests_per_token == pytest.approx(len(sizes) / 30)
+        assert results[name].flash_bytes_per_token == pytest.approx(sizes.sum() / 30)
+    assert results["recorded"].flash_requests_per_token == pytest.approx(expected.misses.sum() / 30)
+    assert results["recorded"].flash_requests_per_token > results["defaults"].flash_requests_per_token
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"threads": 0},
+        {"chunk_bytes": "4096"},
+        {"threads": True},
+        {"queue_depth": 8},
+        {"merge_gap_bytes": -1},
+        [4],
+    ],
+)
+def test_trace_with_bad_reader_settings_raises(settings):
+    trace = _trace(metadata={"reader": settings})
+    with pytest.raises(ConfigError, match=r"reader settings.*record the trace again"):
+        simulate(PRESETS["this-machine"], Workload(_tiny_model(), trace), policy="lru")
 
 
 def test_trace_with_explicit_capacities_reproduces_replay():

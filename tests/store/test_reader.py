@@ -21,6 +21,7 @@ from conftest import NO_NATIVE_READER, needs_native_reader
 
 from flashlm.engine.io_thread import IOThread
 from flashlm.errors import FlashLMError, StoreCorruptError
+from flashlm.sim.simulator import plan_trace_reads
 from flashlm.store import reader as reader_mod
 from flashlm.store.disk import supports_direct
 from flashlm.store.reader import (
@@ -155,6 +156,30 @@ def test_long_in_place_reads_take_one_request_per_thread(
         reader.read_in_place(0, ids, matrix)
         assert reader.reads_issued == -(-rows * f.row_bytes // expected)
     assert torch.equal(matrix[ids], data[ids])
+
+
+@pytest.mark.parametrize("width", [2048, 576])  # 4 KiB rows; SmolLM2's 1152-byte down columns
+@pytest.mark.parametrize(
+    "ids",
+    [
+        torch.arange(6),
+        torch.arange(0, 2048, 40),
+        torch.arange(0, 2048, 3),
+        torch.arange(2048),
+        torch.cat([torch.arange(40), torch.arange(900, 1900)]),
+    ],
+    ids=["short", "scattered", "gaps-merged", "whole", "two-runs"],
+)
+def test_simulator_plans_the_requests_the_reader_issues(
+    direct_dir: Path, in_place_path: str, width: int, ids: torch.Tensor
+) -> None:
+    """`flashlm.sim`'s plan of a trace's misses, with the reader's settings (what a trace records), is the
+    reader's own: as many requests, as many bytes."""
+    f, _ = make_file(direct_dir, 2048, width)  # a whole number of blocks: no short read at the end
+    with StoreReader({0: f}, direct_io=True, threads=3, chunk_bytes=4 * ALIGNMENT) as reader:
+        reader.read_in_place(0, ids, row_matrix(f.rows, width, torch.bfloat16))
+        planned = plan_trace_reads(ids.numpy(), f.row_bytes, f.rows, **reader.plan_settings)
+        assert (len(planned), int(planned.sum())) == (reader.reads_issued, reader.bytes_read)
 
 
 def test_gap_merging_trades_requests_for_bytes(direct_dir: Path) -> None:

@@ -24,8 +24,9 @@ One cost model for DIP's hardware simulator (appendix A) and LLM in a flash's (Â
     individual units (one unit, or one bundle of a unit's rows across the MLP matrices). For a
     trace, each step's misses of each (layer, kind) are planned as flashlm's `StoreReader` reads
     them (`plan_trace_reads`: 4096-aligned extents, runs less than the merge gap apart merged,
-    requests of at most `DEFAULT_CHUNK_BYTES`); the bytes are the planned ones (over-read
-    included) and each request takes `size / profile.flash_bandwidth(size)`. The profile's table
+    requests one per reader thread, of `DEFAULT_CHUNK_BYTES` up to `SPREAD_CHUNKS` chunks, with the
+    run's reader settings); the bytes are the planned ones (over-read included) and each request
+    takes `size / profile.flash_bandwidth(size)`. The profile's table
     is measured throughput at the reader's concurrency (4 threads for "this-machine"), so it
     already carries the per-request cost amortized over the requests in flight; no separate
     latency term is added;
@@ -70,7 +71,14 @@ import torch
 
 from ..engine.trace import ID_DTYPE, OFFSET_DTYPE, Trace
 from ..errors import ConfigError, UnsupportedArchitectureError
-from ..store.reader import DEFAULT_CHUNK_BYTES, DEFAULT_MERGE_GAP_BYTES, plan_reads, split_chunks
+from ..store.reader import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MERGE_GAP_BYTES,
+    DEFAULT_THREADS,
+    plan_reads,
+    split_chunks,
+    spread_request_bytes,
+)
 from ..store.rowfile import ALIGNMENT
 from .hardware import HardwareProfile
 from .replay import REPLAY_POLICIES, replay
@@ -617,18 +625,17 @@ def plan_trace_reads(
     *,
     merge_gap_bytes: int = DEFAULT_MERGE_GAP_BYTES,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    threads: int = DEFAULT_THREADS,
 ) -> np.ndarray:
-    """The request sizes (bytes) flashlm's `StoreReader` issues to read `missed_ids` of one file.
+    """The request sizes (bytes) flashlm's `StoreReader` issues to read `missed_ids` of one file in place.
 
     Follows the reader's plan (O_DIRECT mode): `plan_reads` widens each row to `ALIGNMENT`
     (4096-byte) extents and merges runs at most `merge_gap_bytes` apart, then `split_chunks` cuts
-    each run into requests of at most `chunk_bytes`. `missed_ids` are sorted unique ids, one call
-    (an array) or several (a list: their requests concatenated). Store files start their rows at
-    a multiple of `ALIGNMENT`, so offset 0 gives the same extents. The reader's I/O buffer holds a
-    whole file, so runs are never cut to fit it. One difference: the reader cuts a long in-place read
-    into larger requests, one per reader thread up to `SPREAD_CHUNKS` chunks each
-    (`StoreReader.request_bytes`); the reader's threads are not known here (the disk profile sets
-    them), so such a read is planned here in more, smaller requests than it makes.
+    each run into requests of `spread_request_bytes` (one per reader thread, `threads`, where that
+    makes them larger than `chunk_bytes`, up to `SPREAD_CHUNKS` chunks). `missed_ids` are sorted
+    unique ids, one call (an array) or several (a list: their requests concatenated). Store files
+    start their rows at a multiple of `ALIGNMENT`, so offset 0 gives the same extents. The defaults are
+    the reader's own; a trace records those of the run (`reader` in its metadata).
     """
     calls = [missed_ids] if isinstance(missed_ids, np.ndarray) else missed_ids
     sizes = []
@@ -643,9 +650,29 @@ def plan_trace_reads(
             merge_gap_bytes=merge_gap_bytes,
             max_run_bytes=num_units * int(row_bytes) + 2 * ALIGNMENT,
         )
-        _, _, length = split_chunks(plan.run_starts, plan.run_ends, chunk_bytes)
+        request = spread_request_bytes(len(ids) * int(row_bytes), threads, chunk_bytes)
+        _, _, length = split_chunks(plan.run_starts, plan.run_ends, request)
         sizes.append(length)
     return np.concatenate(sizes) if sizes else np.zeros(0, dtype=np.int64)
+
+
+def _reader_settings(trace: Trace) -> dict[str, int]:
+    """The reader settings a trace's run read with (`StoreReader.plan_settings`; none in a trace from
+    before they were recorded, whose misses are then planned with the reader's defaults)."""
+    settings = trace.metadata.get("reader", {})
+    known = ("threads", "chunk_bytes", "merge_gap_bytes")
+    if not isinstance(settings, dict) or any(
+        key not in known
+        or isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < (key != "merge_gap_bytes")
+        for key, value in settings.items()
+    ):
+        raise ConfigError(
+            f"The trace's reader settings {settings!r} are not {{name: int}} for names in {known}: "
+            "record the trace again with this flashlm."
+        )
+    return settings
 
 
 def _request_seconds(profile: HardwareProfile, sizes: np.ndarray) -> float:
@@ -737,12 +764,14 @@ def _simulate_trace(
         dram_served = float((replayed.bytes_read[steps] - dram.bytes_read[steps]).sum()) / num_steps
         dram_hit_rate = int(dram.hits[steps].sum()) / misses if misses else 0.0
     # Each (layer, kind)'s misses of a step are one reader call: the reader's plan (aligned extents,
-    # merged runs, chunked requests) gives the bytes read, over-read included, and the requests;
-    # each request takes its size over the profile's throughput at that size.
+    # merged runs, chunked requests), with the run's reader settings where the trace has them, gives the
+    # bytes read, over-read included, and the requests; each request takes its size over the profile's
+    # throughput at that size.
+    reader = _reader_settings(trace)
     sizes = np.concatenate(
         [np.zeros(0, dtype=np.int64)]
         + [
-            plan_trace_reads(missed[steps], trace.unit_bytes[kind], trace.num_units[kind])
+            plan_trace_reads(missed[steps], trace.unit_bytes[kind], trace.num_units[kind], **reader)
             for (_, kind), missed in flash_missed.items()
         ]
     )
