@@ -75,6 +75,7 @@ from ..store.reader import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MERGE_GAP_BYTES,
     DEFAULT_THREADS,
+    PLAN_SETTINGS,
     plan_reads,
     split_chunks,
     spread_request_bytes,
@@ -660,16 +661,15 @@ def _reader_settings(trace: Trace) -> dict[str, int]:
     """The reader settings a trace's run read with (`StoreReader.plan_settings`; none in a trace from
     before they were recorded, whose misses are then planned with the reader's defaults)."""
     settings = trace.metadata.get("reader", {})
-    known = ("threads", "chunk_bytes", "merge_gap_bytes")
     if not isinstance(settings, dict) or any(
-        key not in known
+        key not in PLAN_SETTINGS
         or isinstance(value, bool)
         or not isinstance(value, int)
         or value < (key != "merge_gap_bytes")
         for key, value in settings.items()
     ):
         raise ConfigError(
-            f"The trace's reader settings {settings!r} are not {{name: int}} for names in {known}: "
+            f"The trace's reader settings {settings!r} are not {{name: int}} for names in {PLAN_SETTINGS}: "
             "record the trace again with this flashlm."
         )
     return settings

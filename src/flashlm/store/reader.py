@@ -102,7 +102,6 @@ up to `SPREAD_CHUNKS` times this (`StoreReader.request_bytes`)."""
 # dense@50% decoded 1.06x / 1.06x, then 0.96x / 0.96x (default kernels), 0.85x / 0.88x (AVX2's).
 SPREAD_CHUNKS = 16
 """Largest request of a long in-place read, in chunks (`StoreReader.request_bytes`)."""
-
 # A thread that sleeps while its read finishes leaves its core idle; on a VM the idle vCPU halts, and
 # the products right after the wake-up run slower (README, `per_token_path.py`: "a core that slept").
 # Where every request of the read is in flight already, so that its end is near, the waiting thread
@@ -326,6 +325,10 @@ def split_chunks(
     index = np.arange(len(run)) - np.repeat(np.cumsum(counts) - counts, counts)
     offset = index * chunk_bytes
     return run, offset, np.minimum(chunk_bytes, (ends - starts)[run] - offset)
+
+
+PLAN_SETTINGS = ("threads", "chunk_bytes", "merge_gap_bytes")
+"""The reader's attributes that shape its requests besides the ids (`StoreReader.plan_settings`)."""
 
 
 def spread_request_bytes(nbytes: int, threads: int, chunk_bytes: int) -> int:
@@ -737,11 +740,7 @@ class StoreReader:
     def plan_settings(self) -> dict[str, int]:
         """What shapes this reader's requests besides the ids (`threads`, `chunk_bytes`,
         `merge_gap_bytes`): a trace records them so that the simulator plans its reads as they were made."""
-        return {
-            "threads": self.threads,
-            "chunk_bytes": self.chunk_bytes,
-            "merge_gap_bytes": self.merge_gap_bytes,
-        }
+        return {name: getattr(self, name) for name in PLAN_SETTINGS}
 
     def read_in_place(self, key: Hashable, ids: torch.Tensor, matrix: torch.Tensor) -> ReadDone:
         """Fill row `ids[k]` of `matrix` with row `ids[k]` of `files[key]`, straight from the disk: the
