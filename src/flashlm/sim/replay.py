@@ -10,6 +10,7 @@ policy is measured against (DIP §5.1, §6.4).
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,9 @@ class ReplayResult:
         bytes_read: per-step bytes read from flash (misses × unit bytes).
         missed_ids: with `replay(..., record_misses=True)`, each (layer, kind)'s missed unit ids,
             one sorted int64 array per step; None otherwise.
+        uncached_ids: for the kinds of `replay(..., record_uncached=...)`, each (layer, kind)'s units
+            not resident before each step, one sorted int64 array per step: what a read of the whole
+            kind ahead of the step reads.
     """
 
     policy: str
@@ -47,6 +51,7 @@ class ReplayResult:
     bytes_read: np.ndarray
     metadata: dict[str, Any] = field(default_factory=dict)
     missed_ids: dict[tuple[int, str], list[np.ndarray]] | None = None
+    uncached_ids: dict[tuple[int, str], list[np.ndarray]] = field(default_factory=dict)
 
     @property
     def num_steps(self) -> int:
@@ -125,6 +130,7 @@ def replay(
     window: int = 5,
     progress: bool = False,
     record_misses: bool = False,
+    record_uncached: Collection[str] = (),
 ) -> ReplayResult:
     """Replay `trace` through one neuron cache per (layer, kind) under `policy`.
 
@@ -139,6 +145,8 @@ def replay(
         progress: show a progress bar over the (layer, kind) caches.
         record_misses: keep each step's missed ids per (layer, kind) in `ReplayResult.missed_ids`
             (what a read plan needs; off by default, the counts are enough for bytes).
+        record_uncached: kinds whose units not resident before each step to keep in
+            `ReplayResult.uncached_ids` (a kind the run read ahead whole reads those).
 
     Raises `ConfigError` for an unknown policy or an invalid capacity.
     """
@@ -151,6 +159,7 @@ def replay(
     bytes_read = np.zeros(trace.num_steps, dtype=np.int64)
 
     missed_ids: dict[tuple[int, str], list[np.ndarray]] | None = {} if record_misses else None
+    uncached_ids: dict[tuple[int, str], list[np.ndarray]] = {}
     keys = trace.layer_kinds()
     if progress:
         from tqdm.auto import tqdm
@@ -170,7 +179,12 @@ def replay(
         step_hits = np.zeros(trace.num_steps, dtype=np.int64)
         step_misses = np.zeros(trace.num_steps, dtype=np.int64)
         step_missed: list[np.ndarray] = []
+        step_uncached: list[np.ndarray] | None = [] if kind in record_uncached else None
         for step, ids in enumerate(requests):
+            if step_uncached is not None:
+                uncached = torch.ones(n, dtype=torch.bool)
+                uncached[cache.resident_ids] = False
+                step_uncached.append(uncached.nonzero().flatten().numpy().astype(np.int64))
             hit_ids, _hit_slots, miss_ids = cache.lookup(ids)
             cache.update(ids, miss_ids, empty_rows[: miss_ids.numel()], step)
             step_hits[step] = hit_ids.numel()
@@ -179,6 +193,8 @@ def replay(
                 step_missed.append(np.sort(miss_ids.numpy().astype(np.int64)))
         if missed_ids is not None:
             missed_ids[(layer, kind)] = step_missed
+        if step_uncached is not None:
+            uncached_ids[(layer, kind)] = step_uncached
         hits += step_hits
         misses += step_misses
         bytes_read += step_misses * unit_bytes[kind]
@@ -190,4 +206,5 @@ def replay(
         bytes_read=bytes_read,
         metadata=trace.metadata,
         missed_ids=missed_ids,
+        uncached_ids=uncached_ids,
     )
