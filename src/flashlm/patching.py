@@ -149,7 +149,9 @@ def trace(model: nn.Module) -> Trace:
         metadata={
             "model_type": store.model_type,
             **runtime.config.to_dict(),
-            # how the reader cut its reads, for the simulator to plan the trace's misses the same way
+            # how the run read, for the simulator to plan the trace's reads the same way: the kinds read
+            # ahead whole (every unit not resident) and how the reader cut its reads
+            "read_ahead": list(runtime.read_ahead),
             **({"reader": runtime.reader.plan_settings} if runtime.reader is not None else {}),
         },
     )

@@ -876,7 +876,9 @@ def test_trace_replay_reproduces_the_live_cache(tiny_llama, tmp_path) -> None:
     loaded = Trace.load(tmp_path / "trace.safetensors")
     assert loaded == recorded and loaded.num_steps == 10  # the prompt's step, then 9 decode steps
     runtime = streaming_mlps(model)[0].runtime
-    assert loaded.metadata["reader"] == runtime.reader.plan_settings  # how the simulator plans its reads
+    # how the simulator plans its reads
+    assert loaded.metadata["reader"] == runtime.reader.plan_settings
+    assert loaded.metadata["read_ahead"] == list(runtime.read_ahead)
     capacities = {key: cache.capacity for key, cache in streaming_mlps(model)[0].runtime.caches.items()}
     result = replay(loaded, capacity=capacities, policy="lfu")
     live = flashlm.stats(model).totals()

@@ -407,6 +407,27 @@ def test_trace_misses_are_planned_with_the_runs_reader_settings():
     assert results["recorded"].flash_requests_per_token > results["defaults"].flash_requests_per_token
 
 
+def test_kinds_read_ahead_whole_are_planned_as_every_uncached_unit():
+    """A kind the run read ahead whole (`read_ahead` in the trace's metadata) reads every unit not
+    resident before the step, not only the step's misses: more bytes, in longer runs."""
+    model, profile = _tiny_model(), PRESETS["this-machine"]
+    capacities = {(0, "ffn"): 16, (1, "ffn"): 16}
+    expected = replay(_trace(), capacity=capacities, policy="lru", record_uncached=("ffn",))
+    results = {}
+    for name, kinds in (("ahead", ["ffn"]), ("on demand", [])):
+        workload = Workload(model, _trace(metadata={"read_ahead": kinds}))
+        results[name] = simulate(
+            profile, workload, policy="lru", capacities=capacities, include_compute=False
+        )
+    sizes = np.concatenate([plan_trace_reads(read, 4096, 64) for read in expected.uncached_ids.values()])
+    assert results["ahead"].flash_bytes_per_token == pytest.approx(sizes.sum() / 30)
+    assert results["ahead"].flash_requests_per_token == pytest.approx(len(sizes) / 30)
+    assert results["ahead"].flash_bytes_per_token > results["on demand"].flash_bytes_per_token
+    assert results["ahead"].hit_rate == results["on demand"].hit_rate  # what is read ahead is no hit
+    with pytest.raises(ConfigError, match=r"read-ahead kinds \['gate'\].*record the trace again"):
+        simulate(profile, Workload(model, _trace(metadata={"read_ahead": ["gate"]})), policy="lru")
+
+
 @pytest.mark.parametrize(
     "settings",
     [

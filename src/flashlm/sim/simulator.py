@@ -22,14 +22,14 @@ One cost model for DIP's hardware simulator (appendix A) and LLM in a flash's (Â
   - flash I/O: missed bytes at the profile's flash throughput: sequential for a long contiguous
     read (what a dense layer's uncached remainder is), the chunk-size-dependent scattered rate for
     individual units (one unit, or one bundle of a unit's rows across the MLP matrices). For a
-    trace, each step's misses of each (layer, kind) are planned as flashlm's `StoreReader` reads
-    them (`plan_trace_reads`: 4096-aligned extents, runs less than the merge gap apart merged,
-    requests one per reader thread, of `DEFAULT_CHUNK_BYTES` up to `SPREAD_CHUNKS` chunks, with the
-    run's reader settings); the bytes are the planned ones (over-read included) and each request
-    takes `size / profile.flash_bandwidth(size)`. The profile's table
-    is measured throughput at the reader's concurrency (4 threads for "this-machine"), so it
-    already carries the per-request cost amortized over the requests in flight; no separate
-    latency term is added;
+    trace, each step's misses of each (layer, kind) (of a kind the run read ahead whole: every unit
+    not resident) are planned as flashlm's `StoreReader` reads them (`plan_trace_reads`: 4096-aligned
+    extents, runs less than the merge gap apart merged, requests one per reader thread, of
+    `DEFAULT_CHUNK_BYTES` up to `SPREAD_CHUNKS` chunks, with the run's reader settings); the bytes
+    are the planned ones (over-read included) and each request takes
+    `size / profile.flash_bandwidth(size)`. The profile's table is measured throughput at the
+    reader's concurrency (4 threads for "this-machine"), so it already carries the per-request cost
+    amortized over the requests in flight; no separate latency term is added;
   - memory management: every byte read from flash written once into DRAM; with a GPU, every MLP
     byte the GPU tier misses (served from DRAM, or read from flash: the read's bytes) sent once
     over PCIe;
@@ -675,6 +675,18 @@ def _reader_settings(trace: Trace) -> dict[str, int]:
     return settings
 
 
+def _read_ahead_kinds(trace: Trace) -> tuple[str, ...]:
+    """The kinds the trace's run read ahead whole, every unit not resident (`FlashRuntime.read_ahead`;
+    none in a trace from before they were recorded)."""
+    kinds = trace.metadata.get("read_ahead", [])
+    if not isinstance(kinds, list) or any(kind not in trace.kinds for kind in kinds):
+        raise ConfigError(
+            f"The trace's read-ahead kinds {kinds!r} are not a list of its kinds {trace.kinds}: "
+            "record the trace again with this flashlm."
+        )
+    return tuple(kinds)
+
+
 def _request_seconds(profile: HardwareProfile, sizes: np.ndarray) -> float:
     """Time of scattered requests of these sizes: each at the profile's throughput for its size."""
     unique, counts = np.unique(sizes, return_counts=True)
@@ -740,7 +752,16 @@ def _simulate_trace(
         capacity: float | dict[tuple[int, str], int] = allocation.cache_fraction
     else:
         capacity = _normalize_capacities(capacities)
-    replayed = replay(trace, capacity=capacity, policy=replay_policy, window=window, record_misses=True)
+    # A kind the run read ahead whole reads every unit not resident (a GPU tier's misses go to DRAM first).
+    read_ahead = () if allocation.dram_cache_bytes else _read_ahead_kinds(trace)
+    replayed = replay(
+        trace,
+        capacity=capacity,
+        policy=replay_policy,
+        window=window,
+        record_misses=True,
+        record_uncached=read_ahead,
+    )
     if capacities is not None and replay_policy != "none":
         cache_bytes = sum(slots * trace.unit_bytes[kind] for (_, kind), slots in replayed.capacities.items())
         allocation = replace(allocation, mlp_cache_bytes=float(cache_bytes))
@@ -748,7 +769,7 @@ def _simulate_trace(
     num_steps = trace.num_steps - warmup
     hits, misses = int(replayed.hits[steps].sum()), int(replayed.misses[steps].sum())
     assert replayed.missed_ids is not None
-    flash_missed = replayed.missed_ids
+    flash_reads = {key: replayed.uncached_ids.get(key, missed) for key, missed in replayed.missed_ids.items()}
     dram_served, dram_hit_rate = 0.0, 0.0
     if allocation.dram_cache_bytes:
         # The DRAM tier sees the GPU tier's misses, step by step; flash serves what it misses.
@@ -760,19 +781,19 @@ def _simulate_trace(
             record_misses=True,
         )
         assert dram.missed_ids is not None
-        flash_missed = dram.missed_ids
+        flash_reads = dram.missed_ids
         dram_served = float((replayed.bytes_read[steps] - dram.bytes_read[steps]).sum()) / num_steps
         dram_hit_rate = int(dram.hits[steps].sum()) / misses if misses else 0.0
-    # Each (layer, kind)'s misses of a step are one reader call: the reader's plan (aligned extents,
-    # merged runs, chunked requests), with the run's reader settings where the trace has them, gives the
-    # bytes read, over-read included, and the requests; each request takes its size over the profile's
-    # throughput at that size.
+    # Each (layer, kind)'s misses of a step (a kind read ahead whole: its uncached units) are one reader
+    # call: the reader's plan (aligned extents, merged runs, chunked requests), with the run's reader
+    # settings where the trace has them, gives the bytes read, over-read included, and the requests;
+    # each request takes its size over the profile's throughput at that size.
     reader = _reader_settings(trace)
     sizes = np.concatenate(
         [np.zeros(0, dtype=np.int64)]
         + [
-            plan_trace_reads(missed[steps], trace.unit_bytes[kind], trace.num_units[kind], **reader)
-            for (_, kind), missed in flash_missed.items()
+            plan_trace_reads(read[steps], trace.unit_bytes[kind], trace.num_units[kind], **reader)
+            for (_, kind), read in flash_reads.items()
         ]
     )
     flash_bytes = float(sizes.sum()) / num_steps
