@@ -180,11 +180,10 @@ def replay(
         step_misses = np.zeros(trace.num_steps, dtype=np.int64)
         step_missed: list[np.ndarray] = []
         step_uncached: list[np.ndarray] | None = [] if kind in record_uncached else None
+        every_unit = torch.arange(n)
         for step, ids in enumerate(requests):
-            if step_uncached is not None:
-                uncached = torch.ones(n, dtype=torch.bool)
-                uncached[cache.resident_ids] = False
-                step_uncached.append(uncached.nonzero().flatten().numpy().astype(np.int64))
+            if step_uncached is not None:  # as the runtime asks for them (`FlashRuntime.uncached`)
+                step_uncached.append(cache.missing(every_unit).numpy())
             hit_ids, _hit_slots, miss_ids = cache.lookup(ids)
             cache.update(ids, miss_ids, empty_rows[: miss_ids.numel()], step)
             step_hits[step] = hit_ids.numel()
