@@ -76,6 +76,7 @@ from ..store.reader import (
     DEFAULT_MERGE_GAP_BYTES,
     DEFAULT_THREADS,
     PLAN_SETTINGS,
+    check_plan_settings,
     plan_reads,
     split_chunks,
     spread_request_bytes,
@@ -661,17 +662,23 @@ def _reader_settings(trace: Trace) -> dict[str, int]:
     """The reader settings a trace's run read with (`StoreReader.plan_settings`; none in a trace from
     before they were recorded, whose misses are then planned with the reader's defaults)."""
     settings = trace.metadata.get("reader", {})
-    if not isinstance(settings, dict) or any(
-        key not in PLAN_SETTINGS
-        or isinstance(value, bool)
-        or not isinstance(value, int)
-        or value < (key != "merge_gap_bytes")
-        for key, value in settings.items()
-    ):
+    try:
+        if not isinstance(settings, dict) or any(
+            key not in PLAN_SETTINGS or isinstance(value, bool) or not isinstance(value, int)
+            for key, value in settings.items()
+        ):
+            raise ConfigError(f"they are not {{name: int}} for names in {PLAN_SETTINGS}")
+        defaults = {
+            "threads": DEFAULT_THREADS,
+            "chunk_bytes": DEFAULT_CHUNK_BYTES,
+            "merge_gap_bytes": DEFAULT_MERGE_GAP_BYTES,
+        }
+        check_plan_settings(**{**defaults, **settings})
+    except ConfigError as exc:
         raise ConfigError(
-            f"The trace's reader settings {settings!r} are not {{name: int}} for names in {PLAN_SETTINGS}: "
-            "record the trace again with this flashlm."
-        )
+            f"The trace's reader settings {settings!r} cannot plan reads ({exc}): record the trace again "
+            "with this flashlm."
+        ) from exc
     return settings
 
 

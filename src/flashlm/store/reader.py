@@ -331,6 +331,16 @@ PLAN_SETTINGS = ("threads", "chunk_bytes", "merge_gap_bytes")
 """The reader's attributes that shape its requests besides the ids (`StoreReader.plan_settings`)."""
 
 
+def check_plan_settings(threads: int, chunk_bytes: int, merge_gap_bytes: int) -> None:
+    """Raise `ConfigError` unless a reader can plan its requests with these (`PLAN_SETTINGS`)."""
+    if threads < 1:
+        raise ConfigError(f"threads must be at least 1, got {threads}.")
+    if chunk_bytes < ALIGNMENT or chunk_bytes % ALIGNMENT:
+        raise ConfigError(f"chunk_bytes must be a positive multiple of {ALIGNMENT}, got {chunk_bytes}.")
+    if merge_gap_bytes < 0:
+        raise ConfigError(f"merge_gap_bytes must be non-negative, got {merge_gap_bytes}.")
+
+
 def spread_request_bytes(nbytes: int, threads: int, chunk_bytes: int) -> int:
     """Request size of an in-place read of about `nbytes` on `threads` reader threads: one request per
     thread, in whole blocks, where that is more than `chunk_bytes` (each request costs the CPU about the
@@ -513,14 +523,7 @@ class StoreReader:
         wanted = (
             max(f.nbytes for f in files.values()) + 2 * ALIGNMENT if buffer_bytes is None else buffer_bytes
         )
-        if self.threads < 1:
-            raise ConfigError(f"threads must be at least 1, got {self.threads}.")
-        if self.chunk_bytes < ALIGNMENT or self.chunk_bytes % ALIGNMENT:
-            raise ConfigError(
-                f"chunk_bytes must be a positive multiple of {ALIGNMENT}, got {self.chunk_bytes}."
-            )
-        if self.merge_gap_bytes < 0:
-            raise ConfigError(f"merge_gap_bytes must be non-negative, got {self.merge_gap_bytes}.")
+        check_plan_settings(self.threads, self.chunk_bytes, self.merge_gap_bytes)
         if 0 < wanted < min_buffer:
             raise ConfigError(
                 f"buffer_bytes={wanted} cannot hold one row ({largest_row} bytes) plus alignment padding: "
