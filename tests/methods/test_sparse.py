@@ -879,7 +879,7 @@ def test_trace_replay_reproduces_the_live_cache(tiny_llama, tmp_path) -> None:
     # how the simulator plans its reads
     assert loaded.metadata["reader"] == runtime.reader.plan_settings
     assert loaded.metadata["read_ahead"] == list(runtime.read_ahead)
-    capacities = {key: cache.capacity for key, cache in streaming_mlps(model)[0].runtime.caches.items()}
+    capacities = {key: cache.capacity for key, cache in runtime.caches.items()}
     result = replay(loaded, capacity=capacities, policy="lfu")
     live = flashlm.stats(model).totals()
     assert (int(result.hits.sum()), int(result.misses.sum())) == (live["hits"], live["misses"])
