@@ -16,9 +16,9 @@ The default profiles are "this-machine" (the raw disk, nothing else running) and
 "this-machine-decode" (the reader measured during an in-RAM decode by `reader_profile.py`, on
 synthetic read patterns, not these traces).
 
-The trace starts after the prefill, but the run's caches were already filled by it: the replay's
-first step is cold where the run's was not, so by default (`--warmup 1`) the first step is left out
-of the predictions (the measured figures are means over all steps).
+A trace holds every step since the model was loaded, the prefill's first, so its replay starts from
+the caches the run started from; by default (`--warmup 1`) that step is left out of the predictions,
+which then cover the decode steps the measured figures are means over.
 
     .venv/bin/python benchmarks/sim_validation.py --record [--out bench-results/sim-validation]
 """
@@ -74,7 +74,9 @@ def main() -> None:
         help="comma-separated presets or profile .json files, one table each (default: the raw disk, "
         "and the reader measured during decode)",
     )
-    parser.add_argument("--warmup", type=int, default=1, help="leading trace steps left out (default 1)")
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="leading trace steps left out (default 1: the prefill)"
+    )
     args = parser.parse_args()
     results = Path(args.results) if args.results else args.out / "decode.json"
     if args.record:

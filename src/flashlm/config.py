@@ -168,7 +168,8 @@ class FlashConfig(QuantizationConfigMixin):
             steps would (cache-aware masks see the cache evolve token by token) instead of masking
             every token against the cache as it was when the forward began. Slower; the perplexity
             harness uses it so that DIP-CA is scored as it decodes.
-        record_trace: record which units each layer used each step (`flashlm.trace(model)`).
+        record_trace: record which units each layer used each step since the model was loaded
+            (`flashlm.trace(model)`).
     """
 
     def __init__(

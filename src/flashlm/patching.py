@@ -135,14 +135,22 @@ def stats(model: nn.Module, *, reset: bool = False) -> FlashStats:
     return snapshot
 
 
-def trace(model: nn.Module) -> Trace:
-    """Which units each layer used at each step since the last reset (`record_trace=True` runs only)."""
+def trace(model: nn.Module, *, reset: bool = False) -> Trace:
+    """Which units each layer used at each step since the model was loaded (`record_trace=True` runs
+    only), prefill steps included: replayed from empty caches (`flashlm.sim.replay`), it gives the run's
+    own hits and misses (a run without a pinned hot set, which the replay does not pin).
+    `flashlm.stats(model, reset=True)` does not clear it: leave earlier steps out of the simulator's
+    means with its `warmup`.
+
+    `reset=True` forgets the steps after taking the trace: the next one then starts from caches that
+    are not empty, so a replay of it from empty ones only approximates the run.
+    """
     runtime = runtime_of(model)
     if getattr(runtime, "trace", None) is None:
         raise ValueError("This model records no trace: patch it with FlashConfig(record_trace=True).")
     runtime.drain()
     store = runtime.store
-    return runtime.trace.finish(
+    recorded = runtime.trace.finish(
         num_layers=store.num_layers,
         num_units={kind: store.row_file(0, kind).rows for kind in runtime.kinds},
         unit_bytes={kind: store.row_file(0, kind).row_bytes for kind in runtime.kinds},
@@ -155,3 +163,6 @@ def trace(model: nn.Module) -> Trace:
             **({"reader": runtime.reader.plan_settings} if runtime.reader is not None else {}),
         },
     )
+    if reset:
+        runtime.trace.reset()
+    return recorded

@@ -887,6 +887,31 @@ def test_trace_replay_reproduces_the_live_cache(tiny_llama, tmp_path) -> None:
     assert belady.misses.sum() <= result.misses.sum()
 
 
+def test_trace_outlives_a_stats_reset_so_its_replay_starts_from_the_runs_caches(tiny_llama) -> None:
+    """Counters reset between two generations leave the trace whole: replayed from empty caches, its
+    steps after the reset hit and miss as the second generation did, whose caches the first had filled.
+    `trace(model, reset=True)` forgets the steps taken."""
+    from flashlm.patching import trace
+    from flashlm.sim import replay
+
+    path, _, store = tiny_llama
+    model = load(path, store, cached=0.4, method="dip", density=0.5, record_trace=True)
+    prompts = torch.randint(3, 128, (2, 1, 6), generator=torch.Generator().manual_seed(12))
+    model.generate(prompts[0], max_new_tokens=5, do_sample=False, pad_token_id=0)
+    flashlm.stats(model, reset=True)
+    model.generate(prompts[1], max_new_tokens=5, do_sample=False, pad_token_id=0)
+    second = flashlm.stats(model).totals()
+    recorded = trace(model, reset=True)
+    assert recorded.num_steps == 10  # each generation: its prompt's step, then 4 decode steps
+    runtime = streaming_mlps(model)[0].runtime
+    capacities = {key: cache.capacity for key, cache in runtime.caches.items()}
+    replayed = replay(recorded, capacity=capacities, policy="lfu")
+    assert second["misses"] > 0 and int(replayed.misses[:5].sum()) > 0
+    assert (int(replayed.hits[5:].sum()), int(replayed.misses[5:].sum())) == (second["hits"], second["misses"])
+    model.generate(prompts[0], max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert trace(model).num_steps == 2
+
+
 # ---- the hot set: pinned units from a unit profile ----------------------------------------------
 
 

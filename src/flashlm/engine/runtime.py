@@ -878,7 +878,5 @@ class FlashRuntime(Runtime):
 
     def reset_stats(self) -> None:
         super().reset_stats()
-        if self.trace is not None:
-            self.trace.reset()
         for cache in self.caches.values():
             cache.reset_counters()

@@ -32,14 +32,13 @@ def decode_trace(
 ) -> Trace:
     """The trace of a model patched with `record_trace=True` decoding `input_ids` one token at a time, in
     windows of `context_length` tokens: each step holds the units one token needed, as decoding asks."""
-    runtime = runtime_of(model)
     windows = input_ids.numel() // context_length
     if windows == 0:
         raise ConfigError(
             f"Profiling decodes whole windows of context_length={context_length} tokens, but only "
             f"{input_ids.numel()} tokens were given: pass more tokens or a smaller context_length."
         )
-    runtime.reset_stats()  # also empties the trace
+    trace(model, reset=True)  # the profile counts these steps only
     bar = tqdm(total=windows * context_length, desc="decoding units", unit="tok", disable=not progress)
     with torch.no_grad():
         for window in range(windows):
