@@ -11,6 +11,7 @@ from conftest import TINY_CONFIGS, TINY_VARIANTS
 from transformers import AutoModelForCausalLM
 
 import flashlm
+from flashlm.cache import read_ahead_block
 from flashlm.engine.runtime import FlashRuntime
 from flashlm.errors import BudgetTooSmallError, StoreMismatchError, UnsupportedArchitectureError
 from flashlm.methods import StreamingMLP
@@ -267,7 +268,9 @@ def test_stats_count_reads_hits_and_stay_in_budget(cached_fraction, make_tiny_ch
     store = flashlm.Store.open(tmp_path / "store")
     all_units = (2 * store.d_ff + store.d_model) * layers  # neurons of gate and up, rows of down
     assert all(s["hits"] + s["misses"] == all_units for s in steps)
-    assert steps[0]["bytes_read"] >= store.nbytes()  # a cold cache reads everything once
+    runtime = streaming_mlps(model)[0].runtime
+    pinned = sum(cache.pinned * cache.row_bytes for cache in runtime.caches.values())  # read at load
+    assert pinned < store.nbytes() and steps[0]["bytes_read"] + pinned >= store.nbytes()  # every unit once
     if cached_fraction == 1:
         assert all(s["bytes_read"] == 0 and s["misses"] == 0 and s["submit_s"] == 0 for s in steps[1:])
     else:  # the read submission is timed, and counted in the cache's bookkeeping
@@ -294,7 +297,8 @@ def test_streaming_module_has_no_parameters(make_tiny_checkpoint, tmp_path):
 def test_from_pretrained_allocates_the_cache_slots_once(options, make_tiny_checkpoint, tmp_path, monkeypatch):
     """transformers' loader replaces every non-persistent buffer after loading, so caches built for the
     model on the meta device get their slots there (no memory); the loader's buffers are then emptied,
-    zeroed and used. `patch`, on a model in memory, builds its slots on the CPU at once."""
+    zeroed, given the block a kind read ahead whole pins, and used. `patch`, on a model in memory,
+    builds its slots on the CPU at once."""
     path = make_tiny_checkpoint("llama", dtype=torch.float32)
     built: list[torch.device] = []
     make_cache = FlashRuntime.make_cache
@@ -306,11 +310,15 @@ def test_from_pretrained_allocates_the_cache_slots_once(options, make_tiny_check
 
     monkeypatch.setattr(FlashRuntime, "make_cache", recording)
     model = load_patched(path, tmp_path / "store", **options)
-    caches = list(streaming_mlps(model)[0].runtime.caches.values())
     assert built and all(device.type == "meta" for device in built)
-    for cache in caches:
+    read_ahead = streaming_mlps(model)[0].runtime.read_ahead
+    for (_, kind), cache in streaming_mlps(model)[0].runtime.caches.items():
         assert cache.rows.device.type == "cpu" and cache.rows.shape == (cache.capacity, cache.width)
-        assert cache.size == 0 and not cache.rows.any() and (cache.slot_of == -1).all()
+        # empty but for the block a kind read ahead whole pins
+        block = read_ahead_block(cache.capacity, cache.num_units) if kind in read_ahead else None
+        pinned = 0 if block is None else block.numel()
+        assert cache.size == cache.pinned == pinned and not cache.rows[pinned:].any()
+        assert (cache.slot_of >= 0).sum() == pinned and torch.equal(cache.resident_ids, torch.arange(pinned))
 
     built.clear()
     flashlm.patch(AutoModelForCausalLM.from_pretrained(path), model.config.quantization_config)

@@ -100,8 +100,9 @@ class FlashConfig(QuantizationConfigMixin):
             density follows, `3 * density - 2 * input_density`. None takes the Pareto-optimal split
             calibrated for the model (`flashlm.methods.calibration`), or an equal split without one.
         cache_aware: `"dip"` only: γ of cache-aware masking (DIP-CA, the paper's eq. 10): scores
-            `|x| (c + γ (1 - c)) / max|x|` with c the cache residency, for both selections. 1.0
-            (default) is plain DIP; the paper uses 0.2.
+            `|x| (c + γ (1 - c)) / max|x|` with c the cache residency, for both selections but one
+            of a kind read ahead whole (`read_ahead`), which reads every unit not resident whatever the
+            mask. 1.0 (default) is plain DIP; the paper uses 0.2.
         threshold: `"dip"` only: how input columns are picked: `"token"` (top-k per token, the
             paper's DIP), `"layer"` or `"global"` (a magnitude threshold per layer or for all
             layers, calibrated to keep the same fraction on average; the paper's Fig. 4).
@@ -144,7 +145,8 @@ class FlashConfig(QuantizationConfigMixin):
             follows `policy`. The placement solver (`flashlm.cache.placement`) picks them across layers
             and kinds from the store's unit profile of the method (`flashlm profile`), by disk bytes
             saved per token, within each cache's slots (a cache that holds every unit of its layer
-            pins nothing). 0 (default): none. Sparse methods only.
+            pins nothing, and one of a kind read ahead whole its block). 0 (default): none. Sparse
+            methods only.
         read_ahead: read the next layer's uncached units while this layer computes (dense streaming:
             every kind; sparse methods: the first stage's, e.g. DIP's up/gate input columns, needed
             or not). `None` (default) decides: always for dense streaming and for methods whose first
@@ -163,7 +165,8 @@ class FlashConfig(QuantizationConfigMixin):
             Qwen2.5-1.5B about 9% slower, so it is not the default. A sparse method's kind whose caches
             hold every unit (a budget that fits it whole) is never read ahead whole: each unit is read
             when first selected and kept, where reading ahead would read the never-selected ones again
-            at every token.
+            at every token. A cache of a kind read ahead whole with room for some of its units holds a
+            fixed block of them, read at load (`flashlm.cache.read_ahead_block`), whatever `policy`.
         sequential_prefill: compute a multi-token forward exactly as that many one-token decode
             steps would (cache-aware masks see the cache evolve token by token) instead of masking
             every token against the cache as it was when the forward began. Slower; the perplexity

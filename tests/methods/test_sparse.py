@@ -132,7 +132,9 @@ def reference_mlp(module: SparseMLP, weights, x, resident_in, resident_out) -> t
                 keep_in = token.abs() > module.input_threshold
             else:
                 c = resident_in.float()
-                scores = token.abs() * (c + module.gamma * (1 - c)) / token.abs().max()
+                # a kind read ahead whole is read whatever the mask: its selection ignores the cache
+                gamma_in = 1.0 if module.INPUT_KIND in module.runtime.read_ahead else module.gamma
+                scores = token.abs() * (c + gamma_in * (1 - c)) / token.abs().max()
                 keep_in = keep_top(scores, module.k_in)
             xt = token * keep_in
             h = (up @ xt) * act(gate @ xt)
@@ -228,6 +230,7 @@ def dense_weights(model, layer: int):
         {"method": "dip", "density": 0.6, "input_density": 0.5},
         {"method": "dip", "density": 0.5, "cache_aware": 0.2},
         {"method": "dip", "density": 0.5, "cache_aware": 0.0},
+        {"method": "dip", "density": 0.5, "cache_aware": 0.2, "read_ahead": False},
         {"method": "dip", "density": 0.5, "threshold": "layer"},
         {"method": "dip", "density": 0.5, "threshold": "global"},
         {"method": "glu", "density": 0.5},
@@ -452,27 +455,58 @@ def test_float32_slots_hold_converted_rows_within_the_budget(make_tiny_checkpoin
 
 
 @pytest.mark.parametrize("options", [{"cache_aware": 1.0}, {"cache_aware": 0.2}])
-def test_read_ahead_changes_nothing_but_the_reads(options, tiny_llama) -> None:
-    """Reading the next layer's uncached inputs ahead leaves the selection and the cache exactly as
-    they are, and the output up to rounding (the unneeded rows join the product with zero
-    coefficients); only what was read (every uncached input, needed or not) grows. (`load` sizes
-    both budgets to the same cache bytes: reading ahead needs a second staging buffer.)"""
+def test_read_ahead_pins_a_block_and_reads_every_unit_outside_it(options, tiny_llama) -> None:
+    """Read ahead, each input cache pins the block of its first units (`read_ahead_block`) and never
+    changes, and every token reads every other input unit of every layer, needed or not (the unneeded
+    rows join the product with zero coefficients). Where the selection ignores the cache (plain DIP)
+    that changes nothing else: the tokens and, up to rounding, the logits are those of reading on
+    demand, from the same units. (`load` sizes both budgets to the same cache bytes: reading ahead
+    needs a second staging buffer.)"""
     path, _, store = tiny_llama
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(12))
     runs = {}
     for read_ahead in (False, True):
         model = load(path, store, method="dip", density=0.6, read_ahead=read_ahead, **options)
-        assert streaming_mlps(model)[0].runtime.read_ahead == (("dip_in",) if read_ahead else ())
+        modules = streaming_mlps(model)
+        assert modules[0].runtime.read_ahead == (("dip_in",) if read_ahead else ())
         with torch.no_grad():
             logits = model(ids).logits
         tokens = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
         runs[read_ahead] = (logits, tokens, flashlm.stats(model).totals(decode_only=True))
     (logits, tokens, totals), (logits_ahead, tokens_ahead, totals_ahead) = runs[False], runs[True]
-    torch.testing.assert_close(logits, logits_ahead)
-    assert torch.equal(tokens, tokens_ahead)
-    assert totals["misses"] > 0
-    assert (totals["hits"], totals["misses"]) == (totals_ahead["hits"], totals_ahead["misses"])
-    assert totals_ahead["bytes_read"] >= totals["bytes_read"] > 0
+    block_bytes = 0
+    for module in modules:
+        cache = module.input_cache
+        assert 0 < cache.pinned == cache.size == cache.capacity < cache.num_units
+        assert torch.equal(cache.resident_ids, torch.arange(cache.capacity))
+        block_bytes += (cache.num_units - cache.capacity) * cache.row_bytes
+    assert totals_ahead["bytes_read"] >= totals_ahead["steps"] * block_bytes > 0
+    if options["cache_aware"] == 1.0:
+        torch.testing.assert_close(logits, logits_ahead)
+        assert torch.equal(tokens, tokens_ahead)
+        assert totals["hits"] + totals["misses"] == totals_ahead["hits"] + totals_ahead["misses"]
+
+
+def test_cache_aware_selection_leaves_a_kind_read_ahead_whole_alone(tiny_llama) -> None:
+    """DIP-CA weighs residency only where it saves reads: the input units of a kind read ahead whole are
+    read whatever the mask, so layer 0 (whose input the same tokens fix) selects them as plain DIP does
+    at every step. Read on demand, the same weight changes that selection once the cache holds units."""
+    from flashlm.patching import trace
+
+    path, _, store = tiny_llama
+    tokens = torch.randint(3, 128, (12,), generator=torch.Generator().manual_seed(16))
+
+    def layer0_inputs(**options) -> list[list[int]]:
+        model = load(path, store, cached=0.4, method="dip", density=0.5, record_trace=True, **options)
+        past = None
+        with torch.no_grad():
+            for token in tokens:
+                past = model(token.view(1, 1), past_key_values=past, use_cache=True).past_key_values
+        return [ids.tolist() for ids in trace(model).requests(0, "dip_in")]
+
+    assert layer0_inputs(cache_aware=0.2) == layer0_inputs(cache_aware=1.0)
+    on_demand = layer0_inputs(cache_aware=0.2, read_ahead=False)
+    assert on_demand != layer0_inputs(cache_aware=1.0, read_ahead=False)
 
 
 @pytest.mark.parametrize("options", [{"cache_aware": 1.0}, {"cache_aware": 0.2}])
@@ -565,7 +599,8 @@ def test_guessed_reads_are_counted_and_change_plain_dip_not_at_all(gamma, tiny_l
 @pytest.mark.parametrize(
     ("options", "guesses"),
     [
-        ({"method": "dip", "density": 0.6, "cache_aware": 0.2}, False),
+        # read on demand: read ahead whole, the input caches would pin a block and never update
+        ({"method": "dip", "density": 0.6, "cache_aware": 0.2, "read_ahead": False}, False),
         ({"method": "dip", "density": 0.6, "cache_aware": 0.2}, True),
         ({"method": "up", "density": 0.6}, False),
     ],
@@ -907,7 +942,8 @@ def test_trace_outlives_a_stats_reset_so_its_replay_starts_from_the_runs_caches(
     capacities = {key: cache.capacity for key, cache in runtime.caches.items()}
     replayed = replay(recorded, capacity=capacities, policy="lfu")
     assert second["misses"] > 0 and int(replayed.misses[:5].sum()) > 0
-    assert (int(replayed.hits[5:].sum()), int(replayed.misses[5:].sum())) == (second["hits"], second["misses"])
+    after_reset = (int(replayed.hits[5:].sum()), int(replayed.misses[5:].sum()))
+    assert after_reset == (second["hits"], second["misses"])
     model.generate(prompts[0], max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert trace(model).num_steps == 2
 
@@ -935,8 +971,9 @@ def test_hot_set_pins_the_most_frequent_units_and_keeps_them(tiny_llama) -> None
     profile = _profiled(tiny_llama)
     assert profile.tokens == 48 and profile.key["method"] == "dip" and profile.key["density"] == 0.5
     prompt = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(11))
-    plain = load(path, store, cached=0.4, method="dip", density=0.5)
-    model = load(path, store, cached=0.4, method="dip", density=0.5, hot_share=0.6)
+    # read on demand: a kind read ahead whole pins a block instead (below)
+    plain = load(path, store, cached=0.4, method="dip", density=0.5, read_ahead=False)
+    model = load(path, store, cached=0.4, method="dip", density=0.5, hot_share=0.6, read_ahead=False)
     runtime = streaming_mlps(model)[0].runtime
     assert runtime.hot_set is not None and sum(runtime.hot_set.counts) > 0
     pinned_before = {}
@@ -965,6 +1002,16 @@ def test_hot_set_pins_the_most_frequent_units_and_keeps_them(tiny_llama) -> None
         and 0 < snapshot.hot_set["profiled_uses"] <= 1
     )
     assert "hot set" in str(snapshot) and not flashlm.stats(plain).hot_set
+    ahead = streaming_mlps(load(path, store, cached=0.4, method="dip", density=0.5, hot_share=0.6))[0].runtime
+    assert ahead.read_ahead == ("dip_in",)
+    for (layer, kind), cache in ahead.caches.items():
+        if kind == "dip_in":
+            assert 0 < cache.pinned == cache.capacity < cache.num_units
+            assert torch.equal(cache.resident_ids, torch.arange(cache.capacity))
+        else:
+            assert torch.equal(
+                cache.slot_ids[: cache.pinned], ahead.hot_set.hot[ahead._cache_keys.index((layer, kind))]
+            )
 
 
 def test_hot_set_needs_a_profile_of_the_method_and_weights(tiny_llama) -> None:

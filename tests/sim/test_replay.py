@@ -226,23 +226,23 @@ def test_atu_replay_misses_whatever_the_previous_step_did_not_use() -> None:
 
 
 def test_uncached_ids_are_the_units_not_resident_before_each_step() -> None:
-    """What a kind read ahead whole reads: under ATU the previous step's units alone stay resident (when
-    steps fit), so the rest are uncached; under any policy a step's misses are its uncached units."""
+    """What a kind read ahead whole reads: under ATU with room for every unit the previous step's units
+    alone stay resident, so the rest are uncached; with room for fewer, the cache pins the block of
+    its first units (`read_ahead_block`, as the runtime does), and every other unit is uncached at every
+    step whatever the policy, a step's misses among them."""
     rng = random.Random(5)
     steps = random_steps(rng, 40, 30)
-    atu = replay(make_trace([steps], 40), capacity=1.0, policy="atu", record_uncached=("ffn",))
+    atu = replay(make_trace([steps], 40), capacity=1.0, policy="atu", read_ahead=("ffn",))
     expected = [sorted(set(range(40)) - set(before)) for before in [[], *steps[:-1]]]
     assert [ids.tolist() for ids in atu.uncached_ids[(0, "ffn")]] == expected
     layers = [random_steps(rng, 40, 30) for _ in range(2)]
-    lru = replay(
-        make_trace(layers, 40), capacity=0.3, policy="lru", record_misses=True, record_uncached=("ffn",)
-    )
+    lru = replay(make_trace(layers, 40), capacity=0.3, policy="lru", record_misses=True, read_ahead=("ffn",))
     for layer, used in enumerate(layers):
         for step, ids in enumerate(used):
-            uncached = lru.uncached_ids[(layer, "ffn")][step]
-            assert lru.missed_ids[(layer, "ffn")][step].tolist() == sorted(set(ids) & set(uncached.tolist()))
-            assert len(uncached) >= 40 - 12  # 30% of 40 units fit
-    assert replay(make_trace(layers, 40), capacity=0.3, policy="lru").uncached_ids == {}
+            assert lru.uncached_ids[(layer, "ffn")][step].tolist() == list(range(12, 40))  # 30% of 40 fit
+            assert lru.missed_ids[(layer, "ffn")][step].tolist() == sorted(set(ids) - set(range(12)))
+    on_demand = replay(make_trace(layers, 40), capacity=0.3, policy="lru")
+    assert on_demand.uncached_ids == {} and on_demand.misses.sum() != lru.misses.sum()
 
 
 def test_none_reads_everything() -> None:

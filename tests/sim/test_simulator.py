@@ -407,12 +407,14 @@ def test_trace_misses_are_planned_with_the_runs_reader_settings():
     assert results["recorded"].flash_requests_per_token > results["defaults"].flash_requests_per_token
 
 
-def test_kinds_read_ahead_whole_are_planned_as_every_uncached_unit():
-    """A kind the run read ahead whole (`read_ahead` in the trace's metadata) reads every unit not
-    resident before the step, not only the step's misses: more bytes, in longer runs."""
+def test_kinds_read_ahead_whole_pin_a_block_and_read_every_unit_outside_it():
+    """A kind the run read ahead whole (`read_ahead` in the trace's metadata) pins a block of units, as the
+    runtime does (`read_ahead_block`), and reads every unit outside it at every step, not only the
+    step's misses: more bytes, in one run."""
     model, profile = _tiny_model(), PRESETS["this-machine"]
     capacities = {(0, "ffn"): 16, (1, "ffn"): 16}
-    expected = replay(_trace(), capacity=capacities, policy="lru", record_uncached=("ffn",))
+    expected = replay(_trace(), capacity=capacities, policy="lru", read_ahead=("ffn",))
+    assert all(ids.tolist() == list(range(16, 64)) for read in expected.uncached_ids.values() for ids in read)
     results = {}
     for name, kinds in (("ahead", ["ffn"]), ("on demand", [])):
         workload = Workload(model, _trace(metadata={"read_ahead": kinds}))
@@ -423,7 +425,9 @@ def test_kinds_read_ahead_whole_are_planned_as_every_uncached_unit():
     assert results["ahead"].flash_bytes_per_token == pytest.approx(sizes.sum() / 30)
     assert results["ahead"].flash_requests_per_token == pytest.approx(len(sizes) / 30)
     assert results["ahead"].flash_bytes_per_token > results["on demand"].flash_bytes_per_token
-    assert results["ahead"].hit_rate == results["on demand"].hit_rate  # what is read ahead is no hit
+    used = [ids for layer in range(2) for ids in _trace().requests(layer, "ffn")]
+    in_block = sum(int((ids < 16).sum()) for ids in used)
+    assert results["ahead"].hit_rate == pytest.approx(in_block / sum(ids.numel() for ids in used))
     with pytest.raises(ConfigError, match=r"read-ahead kinds \['gate'\].*record the trace again"):
         simulate(profile, Workload(model, _trace(metadata={"read_ahead": ["gate"]})), policy="lru")
 

@@ -1,7 +1,7 @@
 """flashlm.cache: the budgeted neuron cache (preallocated slots, id->slot map, policies, budget split)."""
 
 from .budget import BudgetPlan, split_budget
-from .neuron_cache import NeuronCache
+from .neuron_cache import NeuronCache, read_ahead_block
 from .policies import (
     ATUPolicy,
     BeladyPolicy,
@@ -27,6 +27,7 @@ __all__ = [
     "available_policies",
     "make_policy",
     "policy_state_bytes",
+    "read_ahead_block",
     "register_policy",
     "split_budget",
 ]

@@ -11,9 +11,10 @@ slots are filled first, then a candidate displaces the lowest-priority resident 
 priority is *strictly* greater. Equal priorities never churn, so when every unit is needed every
 step (density 1.0) a full cache stays as it is instead of thrashing.
 
-Units can be pinned (`pin`: PowerInfer's hot set, chosen offline from a unit profile). Pinned units
-occupy slots `0 .. pinned-1`; the policy never ranks them, so they are never displaced or expired,
-and the rest of the cache follows the policy in the remaining slots.
+Units can be pinned (`pin`: PowerInfer's hot set, chosen offline from a unit profile, or the block of a
+kind read ahead whole, `read_ahead_block`). Pinned units occupy slots `0 .. pinned-1`; the policy never
+ranks them, so they are never displaced or expired, and the rest of the cache follows the policy in the
+remaining slots.
 """
 
 from __future__ import annotations
@@ -33,6 +34,16 @@ from .policies import EvictionPolicy, PriorityTerms, policy_state_bytes
 
 INDEX_DTYPE = torch.int64
 INDEX_ITEMSIZE = torch.empty((), dtype=INDEX_DTYPE).element_size()
+
+
+def read_ahead_block(capacity: int, num_units: int) -> torch.Tensor | None:
+    """The units a cache of `capacity` slots pins for a kind read ahead whole: the block `0 .. capacity-1`
+    (None for a cache of no slots or of every unit).
+
+    Such a kind reads every unit not resident at every step, and the reader reads across gaps shorter
+    than its merge gap, so residents scattered as a policy keeps them save few bytes and cost an update
+    every step; a block is skipped whole and never changes."""
+    return torch.arange(capacity) if 0 < capacity < num_units else None
 
 
 @functools.cache
@@ -234,6 +245,11 @@ class NeuronCache(nn.Module):
     # ---- queries ----------------------------------------------------------------------------
 
     @property
+    def admits(self) -> bool:
+        """Whether a step's misses can enter: some slot is not pinned."""
+        return self.pinned < self.capacity
+
+    @property
     def resident_ids(self) -> torch.Tensor:
         """Units now resident, in slot order (a view: `rows[:size]` holds their rows)."""
         return self.slot_ids[: self.size]
@@ -313,8 +329,8 @@ class NeuronCache(nn.Module):
         # The policy's state is read only to rank residents against candidates, which a cache with a slot
         # for every unit (or none to give) never does, and to expire units.
         records = self.pinned < self.capacity < self.num_units or self.policy.EXPIRES
-        if not records and miss_ids.shape[0] == 0:
-            return
+        if not records and (miss_ids.shape[0] == 0 or not self.admits):
+            return  # nothing to record, nor to admit (a cache all pinned never changes)
         row_ids = None if by_unit else miss_ids if row_ids is None else row_ids
         arguments = self._native_update_arguments()
         native = arguments is not None and used_ids.is_cpu and miss_ids.is_cpu

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._utils import format_bytes
-from ..cache import BudgetPlan, NeuronCache, make_policy, split_budget
+from ..cache import BudgetPlan, NeuronCache, make_policy, read_ahead_block, split_budget
 from ..cache.placement import Placement, place_hot_neurons
 from ..cache.policies import NO_CACHE
 from ..cache.profile import UnitProfile
@@ -440,7 +440,8 @@ class FlashRuntime(Runtime):
         )
         """The kinds whose next layer is read while this layer computes, into the other of two buffers. Not a
         sparse method's kind whose caches hold every unit: it reads each unit when first selected and keeps
-        it, where reading ahead whole would read the units no token selects again at every token."""
+        it, where reading ahead whole would read the units no token selects again at every token. A cache
+        of these kinds with room for some of its units pins a block of them (`read_ahead_block`)."""
         self.hot_set: Placement | None = None
         """The pinned units of every cache (`FlashConfig.hot_share`), in the order of `_cache_keys`."""
         self.hot_set_summary: dict[str, float] = {}
@@ -506,14 +507,16 @@ class FlashRuntime(Runtime):
         most disk bytes saved per token (a unit's frequency times the bytes a miss of it reads).
 
         A cache pins at most its planned capacity, its most frequent units; one that holds every unit
-        of its layer pins nothing (everything stays resident there anyway)."""
+        of its layer pins nothing (everything stays resident there anyway), nor does one of a kind read
+        ahead whole (it pins its block)."""
         config = self.config
         profile = UnitProfile.of(self.store, config, fitted_files, needed_by="hot_share")
         values = []
         for key, capacity in self.capacities.items():
             frequency = profile.frequencies[key]
             value = saved_bytes(profile, key, row_files[key])
-            if capacity < frequency.numel():  # only the `capacity` most frequent units are candidates
+            if capacity < frequency.numel() and key[1] not in self.read_ahead:
+                # only the `capacity` most frequent units are candidates
                 value[frequency.argsort(descending=True, stable=True)[capacity:]] = 0
             else:
                 value.zero_()
@@ -562,11 +565,11 @@ class FlashRuntime(Runtime):
         )
         self.caches[(layer, kind)] = cache
         if not cache.rows.is_meta:
-            self._pin_hot(layer, kind)
+            self._pin(layer, kind)
         return cache
 
     def reset_caches(self, layer: int) -> None:
-        """Empty layer `layer`'s caches and pin their hot units again (read from the store). The slots
+        """Empty layer `layer`'s caches and pin their units again (read from the store). The slots
         are written once here, so that the pages of new buffers (the loader's) are faulted in at load
         rather than while decoding."""
         self.drain()
@@ -574,14 +577,20 @@ class FlashRuntime(Runtime):
             if cache_layer == layer:
                 cache.rows.zero_()
                 cache.clear()
-                self._pin_hot(layer, kind)
+                self._pin(layer, kind)
 
-    def _pin_hot(self, layer: int, kind: str) -> None:
-        if self.hot_set is None:
+    def _pin(self, layer: int, kind: str) -> None:
+        """Pin a cache's fixed units: for a kind read ahead whole its block (`read_ahead_block`), for any
+        other its hot set (`hot_share`), if it has one."""
+        cache = self.caches[(layer, kind)]
+        if kind in self.read_ahead:
+            ids = read_ahead_block(cache.capacity, cache.num_units)
+        elif self.hot_set is not None:
+            ids = self.hot_set.hot[self._cache_keys.index((layer, kind))]
+        else:
             return
-        ids = self.hot_set.hot[self._cache_keys.index((layer, kind))]
-        if ids.numel():
-            self.caches[(layer, kind)].pin(ids, self.read(layer, kind, ids).matrix)
+        if ids is not None and ids.numel():
+            cache.pin(ids, self.read(layer, kind, ids).matrix)
 
     @property
     def _policy_name(self) -> str:
@@ -613,6 +622,7 @@ class FlashRuntime(Runtime):
         update runs before any later read that could reuse the staging rows it copies from;
         `settle` waits for it before any of those caches is read again. A queued update records its
         evictions itself (a forward counts from `FlashMLP.settled_counters`, so not twice)."""
+        updates = [update for update in updates if update.cache.admits]  # a cache all pinned never changes
         if sum(update.copy_bytes for update in updates) < QUEUED_UPDATE_MIN_BYTES:
             for update in updates:
                 update.run(False)

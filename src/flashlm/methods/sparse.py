@@ -413,7 +413,7 @@ class SparseMLP(Selection, FlashMLP):
         started = perf_counter()
         guess = runtime.take_guess(layer, kind) if kind == self.INPUT_KIND and self.guesses_ahead else None
         fused = units = unread = None
-        gamma = self._fused_gamma(topk)
+        gamma = self._fused_gamma(topk, kind)
         # With a guess, the selection counts the guessed units as resident: fused where it has their mask.
         guessed = None if guess is None else guess.selected
         if topk is not None and values.shape[0] == 1 and (guess is None or guessed is not None or gamma == 1):
@@ -426,7 +426,7 @@ class SparseMLP(Selection, FlashMLP):
             selected = looked_up = perf_counter()  # one call: the lookup is timed with the selection
         else:
             coef = None
-            resident = self._residency(cache)
+            resident = self._residency(cache, kind)
             if guess is not None and resident is not None:
                 # guessed units are read already, too
                 resident = resident.index_fill(0, guess.ids.to(resident.device), True)
@@ -483,14 +483,14 @@ class SparseMLP(Selection, FlashMLP):
         topk, guess_units = self.input_topk(), runtime.guess_units.get(self.INPUT_KIND)
         if topk is not None and guess_units is not None:
             units = guess_units[buffer]  # unchanged until the guess after next, when its layer has run
-            fused = units(x, topk.k, cache.slot_of, self._fused_gamma(topk))
+            fused = units(x, topk.k, cache.slot_of, self._fused_gamma(topk, self.INPUT_KIND))
             if fused is not None:
                 started = perf_counter()
                 runtime.guess_uncached(
                     following, self.INPUT_KIND, fused.misses, buffer, fused.mask, span=units.miss_ids
                 )
                 return perf_counter() - started
-        mask = self.select_input(x, self._residency(cache))
+        mask = self.select_input(x, self._residency(cache, self.INPUT_KIND))
         ids = runtime.unit_ids[: cache.num_units] if mask is None else union_ids(mask)
         started = perf_counter()
         runtime.guess(following, self.INPUT_KIND, ids, buffer)
@@ -508,13 +508,13 @@ class SparseMLP(Selection, FlashMLP):
         times.io_busy_s += fetched.busy_s
         times.bytes_read += fetched.bytes_read
         times.reads += fetched.reads
-        depends = self._depends_on_cache()
-        mask = None if depends else select(values, self._residency(cache))
+        depends = self._cache_aware(kind)
+        mask = None if depends else select(values, self._residency(cache, kind))
         every = torch.ones(cache.num_units, dtype=torch.bool)
         token_masks = []
         for t in range(values.shape[0]):
             if depends:
-                token_mask = select(values[t : t + 1], self._residency(cache))[0]
+                token_mask = select(values[t : t + 1], self._residency(cache, kind))[0]
                 token_masks.append(token_mask)
             else:
                 token_mask = every if mask is None else mask[t]
@@ -543,17 +543,21 @@ class SparseMLP(Selection, FlashMLP):
         pairs = tokens * cache.num_units if mask is None else kept_pairs(mask, ids)
         times.used_bytes += pairs * self._row_bytes[kind]
 
-    def _depends_on_cache(self) -> bool:
-        return self.gamma < 1
+    def _cache_aware(self, kind: str) -> bool:
+        """Whether the selection of `kind` units weighs their residency (DIP-CA's `gamma`). Not for a kind
+        read ahead whole: it reads every unit not resident whatever the mask, so preferring resident
+        units there would cost accuracy and save no read."""
+        return self.gamma < 1 and kind not in self.runtime.read_ahead
 
-    def _fused_gamma(self, topk: TopK | None) -> float:
-        """The cache-aware weight a fused top-k selection (`TopUnits`) applies: 1.0 (none) unless the
-        selection depends on the cache."""
-        return topk.gamma if topk is not None and self._depends_on_cache() else 1.0
+    def _fused_gamma(self, topk: TopK | None, kind: str) -> float:
+        """The cache-aware weight a fused top-k selection (`TopUnits`) of `kind` units applies: 1.0 (none)
+        unless that selection is cache-aware."""
+        return topk.gamma if topk is not None and self._cache_aware(kind) else 1.0
 
-    def _residency(self, cache: NeuronCache) -> torch.Tensor | None:
-        """The cache's residency mask, for cache-aware selection only (None otherwise: not computed)."""
-        return cache.slot_of >= 0 if self._depends_on_cache() else None
+    def _residency(self, cache: NeuronCache, kind: str) -> torch.Tensor | None:
+        """The residency mask of `kind`'s cache, for a cache-aware selection only (None otherwise: not
+        computed)."""
+        return cache.slot_of >= 0 if self._cache_aware(kind) else None
 
     # ---- shared arithmetic --------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cache import NeuronCache, make_policy
+from ..cache import NeuronCache, make_policy, read_ahead_block
 from ..engine.trace import Trace
 from ..errors import ConfigError
 
@@ -39,9 +39,9 @@ class ReplayResult:
         bytes_read: per-step bytes read from flash (misses × unit bytes).
         missed_ids: with `replay(..., record_misses=True)`, each (layer, kind)'s missed unit ids,
             one sorted int64 array per step; None otherwise.
-        uncached_ids: for the kinds of `replay(..., record_uncached=...)`, each (layer, kind)'s units
-            not resident before each step, one sorted int64 array per step: what a read of the whole
-            kind ahead of the step reads.
+        uncached_ids: for the kinds of `replay(..., read_ahead=...)`, each (layer, kind)'s units not
+            resident before each step, one sorted int64 array per step: what a read of the whole kind
+            ahead of the step reads.
     """
 
     policy: str
@@ -122,6 +122,18 @@ def _capacities(
     }
 
 
+def read_ahead_kinds(trace: Trace) -> tuple[str, ...]:
+    """The kinds the trace's run read ahead whole, every unit not resident (`FlashRuntime.read_ahead`;
+    none in a trace from before they were recorded)."""
+    kinds = trace.metadata.get("read_ahead", [])
+    if not isinstance(kinds, list) or any(kind not in trace.kinds for kind in kinds):
+        raise ConfigError(
+            f"The trace's read-ahead kinds {kinds!r} are not a list of its kinds {trace.kinds}: "
+            "record the trace again with this flashlm."
+        )
+    return tuple(kinds)
+
+
 def replay(
     trace: Trace,
     *,
@@ -130,7 +142,7 @@ def replay(
     window: int = 5,
     progress: bool = False,
     record_misses: bool = False,
-    record_uncached: Collection[str] = (),
+    read_ahead: Collection[str] | None = None,
 ) -> ReplayResult:
     """Replay `trace` through one neuron cache per (layer, kind) under `policy`.
 
@@ -145,13 +157,16 @@ def replay(
         progress: show a progress bar over the (layer, kind) caches.
         record_misses: keep each step's missed ids per (layer, kind) in `ReplayResult.missed_ids`
             (what a read plan needs; off by default, the counts are enough for bytes).
-        record_uncached: kinds whose units not resident before each step to keep in
-            `ReplayResult.uncached_ids` (a kind the run read ahead whole reads those).
+        read_ahead: kinds the run read ahead whole (`FlashRuntime.read_ahead`; None: those the trace's
+            metadata names, `read_ahead_kinds`): as there, a cache of one with room for some of its
+            units pins a block of them (`read_ahead_block`) before the first step, and each step's units
+            not resident before it, which the read ahead reads, are kept in `ReplayResult.uncached_ids`.
 
-    Raises `ConfigError` for an unknown policy or an invalid capacity.
+    Raises `ConfigError` for an unknown policy, an invalid capacity or malformed read-ahead kinds.
     """
     if policy not in REPLAY_POLICIES:
         raise ConfigError(f"Unknown replay policy {policy!r}. Available: {', '.join(REPLAY_POLICIES)}.")
+    read_ahead = read_ahead_kinds(trace) if read_ahead is None else read_ahead
     capacities = _capacities(trace, capacity, policy)
     unit_bytes = trace.unit_bytes
     hits = np.zeros(trace.num_steps, dtype=np.int64)
@@ -176,10 +191,13 @@ def replay(
             eviction = make_policy("lru" if policy == "none" else policy, n)
         cache = NeuronCache(n, capacities[(layer, kind)], 0, torch.float16, eviction)
         empty_rows = torch.empty(n, 0, dtype=torch.float16)
+        block = read_ahead_block(cache.capacity, n) if kind in read_ahead else None
+        if block is not None:
+            cache.pin(block, empty_rows)
         step_hits = np.zeros(trace.num_steps, dtype=np.int64)
         step_misses = np.zeros(trace.num_steps, dtype=np.int64)
         step_missed: list[np.ndarray] = []
-        step_uncached: list[np.ndarray] | None = [] if kind in record_uncached else None
+        step_uncached: list[np.ndarray] | None = [] if kind in read_ahead else None
         every_unit = torch.arange(n)
         for step, ids in enumerate(requests):
             if step_uncached is not None:  # as the runtime asks for them (`FlashRuntime.uncached`)

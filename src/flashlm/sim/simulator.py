@@ -682,18 +682,6 @@ def _reader_settings(trace: Trace) -> dict[str, int]:
     return settings
 
 
-def _read_ahead_kinds(trace: Trace) -> tuple[str, ...]:
-    """The kinds the trace's run read ahead whole, every unit not resident (`FlashRuntime.read_ahead`;
-    none in a trace from before they were recorded)."""
-    kinds = trace.metadata.get("read_ahead", [])
-    if not isinstance(kinds, list) or any(kind not in trace.kinds for kind in kinds):
-        raise ConfigError(
-            f"The trace's read-ahead kinds {kinds!r} are not a list of its kinds {trace.kinds}: "
-            "record the trace again with this flashlm."
-        )
-    return tuple(kinds)
-
-
 def _request_seconds(profile: HardwareProfile, sizes: np.ndarray) -> float:
     """Time of scattered requests of these sizes: each at the profile's throughput for its size."""
     unique, counts = np.unique(sizes, return_counts=True)
@@ -759,15 +747,15 @@ def _simulate_trace(
         capacity: float | dict[tuple[int, str], int] = allocation.cache_fraction
     else:
         capacity = _normalize_capacities(capacities)
-    # A kind the run read ahead whole reads every unit not resident (a GPU tier's misses go to DRAM first).
-    read_ahead = () if allocation.dram_cache_bytes else _read_ahead_kinds(trace)
+    # A kind the run read ahead whole pins a block of units and reads every unit not resident (the
+    # trace's metadata names them; with a GPU tier, whose misses go to DRAM first, none).
     replayed = replay(
         trace,
         capacity=capacity,
         policy=replay_policy,
         window=window,
         record_misses=True,
-        record_uncached=read_ahead,
+        read_ahead=() if allocation.dram_cache_bytes else None,
     )
     if capacities is not None and replay_policy != "none":
         cache_bytes = sum(slots * trace.unit_bytes[kind] for (_, kind), slots in replayed.capacities.items())
