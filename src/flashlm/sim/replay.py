@@ -122,7 +122,7 @@ def _capacities(
     }
 
 
-def read_ahead_kinds(trace: Trace) -> tuple[str, ...]:
+def _read_ahead_kinds(trace: Trace) -> tuple[str, ...]:
     """The kinds the trace's run read ahead whole, every unit not resident (`FlashRuntime.read_ahead`;
     none in a trace from before they were recorded)."""
     kinds = trace.metadata.get("read_ahead", [])
@@ -158,15 +158,15 @@ def replay(
         record_misses: keep each step's missed ids per (layer, kind) in `ReplayResult.missed_ids`
             (what a read plan needs; off by default, the counts are enough for bytes).
         read_ahead: kinds the run read ahead whole (`FlashRuntime.read_ahead`; None: those the trace's
-            metadata names, `read_ahead_kinds`): as there, a cache of one with room for some of its
-            units pins a block of them (`read_ahead_block`) before the first step, and each step's units
-            not resident before it, which the read ahead reads, are kept in `ReplayResult.uncached_ids`.
+            metadata names): as there, a cache of one with room for some of its units pins a block of
+            them (`read_ahead_block`) before the first step, and each step's units not resident before
+            it, which the read ahead reads, are kept in `ReplayResult.uncached_ids`.
 
     Raises `ConfigError` for an unknown policy, an invalid capacity or malformed read-ahead kinds.
     """
     if policy not in REPLAY_POLICIES:
         raise ConfigError(f"Unknown replay policy {policy!r}. Available: {', '.join(REPLAY_POLICIES)}.")
-    read_ahead = read_ahead_kinds(trace) if read_ahead is None else read_ahead
+    read_ahead = _read_ahead_kinds(trace) if read_ahead is None else read_ahead
     capacities = _capacities(trace, capacity, policy)
     unit_bytes = trace.unit_bytes
     hits = np.zeros(trace.num_steps, dtype=np.int64)
