@@ -481,6 +481,7 @@ def test_read_ahead_pins_a_block_and_reads_every_unit_outside_it(options, tiny_l
         assert torch.equal(cache.resident_ids, torch.arange(cache.capacity))
         block_bytes += (cache.num_units - cache.capacity) * cache.row_bytes
     assert totals_ahead["bytes_read"] >= totals_ahead["steps"] * block_bytes > 0
+    assert totals["misses"] > 0 and totals["bytes_read"] > 0
     if options["cache_aware"] == 1.0:
         torch.testing.assert_close(logits, logits_ahead)
         assert torch.equal(tokens, tokens_ahead)
