@@ -311,11 +311,11 @@ def test_from_pretrained_allocates_the_cache_slots_once(options, make_tiny_check
     monkeypatch.setattr(FlashRuntime, "make_cache", recording)
     model = load_patched(path, tmp_path / "store", **options)
     assert built and all(device.type == "meta" for device in built)
-    read_ahead = streaming_mlps(model)[0].runtime.read_ahead
-    for (_, kind), cache in streaming_mlps(model)[0].runtime.caches.items():
+    runtime = streaming_mlps(model)[0].runtime
+    for (_, kind), cache in runtime.caches.items():
         assert cache.rows.device.type == "cpu" and cache.rows.shape == (cache.capacity, cache.width)
         # empty but for the block a kind read ahead whole pins
-        block = read_ahead_block(cache.capacity, cache.num_units) if kind in read_ahead else None
+        block = read_ahead_block(cache.capacity, cache.num_units) if kind in runtime.read_ahead else None
         pinned = 0 if block is None else block.numel()
         assert cache.size == cache.pinned == pinned and not cache.rows[pinned:].any()
         assert (cache.slot_of >= 0).sum() == pinned and torch.equal(cache.resident_ids, torch.arange(pinned))
