@@ -328,7 +328,7 @@ class NeuronCache(nn.Module):
         """
         # The policy's state is read only to rank residents against candidates, which a cache with a slot
         # for every unit (or none to give) never does, and to expire units.
-        records = self.admits and self.capacity < self.num_units or self.policy.EXPIRES
+        records = (self.admits and self.capacity < self.num_units) or self.policy.EXPIRES
         if not records and (miss_ids.shape[0] == 0 or not self.admits):
             return  # nothing to record, nor to admit (a cache all pinned never changes)
         row_ids = None if by_unit else miss_ids if row_ids is None else row_ids
