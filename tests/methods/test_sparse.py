@@ -538,7 +538,7 @@ def test_a_guess_times_its_selection_as_selection_and_its_read_as_submission(tin
     submission: each goes to its own column (`select_s`, `submit_s`). Timed here by a clock that moves
     only while a guess's read is handed over."""
     path, _, store = tiny_llama
-    monkeypatch.setattr(sparse_module, "reads_ahead", lambda config, store, calibration: False)
+    monkeypatch.setattr(sparse_module, "reads_ahead", lambda config, *_: False)
     model = load(path, store, method="dip", density=0.6, cache_aware=0.2)
     runtime = streaming_mlps(model)[0].runtime
     assert all(module.guesses_ahead for module in streaming_mlps(model))
@@ -560,9 +560,7 @@ def test_guessed_reads_are_counted_and_change_plain_dip_not_at_all(gamma, tiny_l
     units as resident, so its selection may differ. Either way every byte the reader read is in the
     stats, and no guess is left in flight."""
     path, _, store = tiny_llama
-    monkeypatch.setattr(
-        sparse_module, "reads_ahead", lambda config, store, calibration: bool(config.read_ahead)
-    )
+    monkeypatch.setattr(sparse_module, "reads_ahead", lambda config, *_: bool(config.read_ahead))
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(13))
     runs = {}
     for read_ahead in (False, None):
@@ -618,7 +616,7 @@ def test_cache_updates_run_at_once_or_on_the_io_thread_alike(
     and read (or would have read, but for the queue) into the staging buffers the layers share."""
     path, store = four_layer_llama
     if guesses:
-        monkeypatch.setattr(sparse_module, "reads_ahead", lambda config, store, calibration: False)
+        monkeypatch.setattr(sparse_module, "reads_ahead", lambda config, *_: False)
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(14))
     update = NeuronCache.update
     runs = {}
@@ -773,7 +771,7 @@ def test_fused_guess_changes_nothing(tiny_llama, monkeypatch) -> None:
     fused selection counting the guess's mask as resident, compute, read, keep and count what the
     selections run apart do."""
     path, _, store = tiny_llama
-    monkeypatch.setattr(sparse_module, "reads_ahead", lambda config, store, calibration: False)  # guess
+    monkeypatch.setattr(sparse_module, "reads_ahead", lambda config, *_: False)  # guess
     options = {"method": "dip", "density": 0.6, "cache_aware": 0.2}
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(23))
     fused_guesses: list[bool] = []
@@ -831,27 +829,53 @@ def test_decode_products_in_c_compute_what_torch_computes(options, tiny_llama, m
     )
 
 
-def test_reads_ahead_where_the_reader_would_read_the_gaps_anyway() -> None:
+def test_reads_ahead_where_a_read_on_demand_would_move_most_units_anyway() -> None:
     from types import SimpleNamespace
 
-    from flashlm.store.reader import DEFAULT_MERGE_GAP_BYTES
+    from flashlm.store.reader import DEFAULT_MERGE_GAP_BYTES, merged_read_share
 
     def store(row_bytes: int):
         return SimpleNamespace(
             path="store", row_file=lambda layer, kind: SimpleNamespace(row_bytes=row_bytes)
         )
 
-    def decide(row_bytes: int, **options) -> bool:
-        return reads_ahead(flashlm.FlashConfig(**options), store(row_bytes), None)
+    def decide(row_bytes: int, merge_gap: int = DEFAULT_MERGE_GAP_BYTES, **options) -> bool:
+        return reads_ahead(flashlm.FlashConfig(**options), store(row_bytes), None, merge_gap)
 
-    small = 6144  # SmolLM2's input columns: the merge gap spans several
-    large = 2 * DEFAULT_MERGE_GAP_BYTES  # a gap never spans one: each unneeded unit is skipped
+    small, qwen, qwen_gap = 6144, 35840, 72 << 10  # SmolLM2's and Qwen2.5-1.5B's input columns
+    assert merged_read_share(0.7, DEFAULT_MERGE_GAP_BYTES // small) > 0.99
     assert decide(small, method="dip", density=0.8, input_density=0.7)
-    assert not decide(large, method="dip", density=0.8, input_density=0.7)
-    assert decide(large, method="dip", density=0.99, input_density=0.99)
-    assert decide(large, method="up", density=0.8)  # its first stage reads every unit
+    # Qwen's: on demand, 75% of them at ρ_in 0.5 across its disk's gap of two rows, 50% across none;
+    # 45% at ρ_in 0.3, where reading on demand decoded faster
+    assert merged_read_share(0.5, 2) >= sparse_module.READ_AHEAD_MIN_SHARE > merged_read_share(0.5, 0)
+    assert decide(qwen, qwen_gap, method="dip", density=0.5)
+    assert not decide(qwen, 0, method="dip", density=0.5)
+    assert merged_read_share(0.3, 2) < sparse_module.READ_AHEAD_MIN_SHARE
+    assert not decide(qwen, qwen_gap, method="dip", density=0.5, input_density=0.3)
+    assert decide(qwen, 0, method="dip", density=0.99, input_density=0.99)
+    assert decide(qwen, 0, method="up", density=0.8)  # its first stage reads every unit
     assert not decide(small, method="up", density=0.8, read_ahead=False)
-    assert decide(large, method="dip", density=0.5, input_density=0.5, read_ahead=True)
+    assert decide(qwen, 0, method="dip", density=0.5, input_density=0.3, read_ahead=True)
+
+
+@pytest.mark.parametrize(("merge_gap_bytes", "read_ahead"), [(0, ()), (4096, ("dip_in",))])
+def test_dips_read_ahead_follows_the_merge_gap_of_the_stores_disk(
+    merge_gap_bytes, read_ahead, tiny_llama, monkeypatch
+) -> None:
+    """By default DIP reads ahead whole where its disk's profile says the reader would read most of the
+    input columns anyway (`reads_ahead`): at ρ_in 0.5, 50% of them across no gap, over 90% across a page
+    (5 of the tiny llama's input columns)."""
+    from flashlm.store.disk import DiskProfile
+    from flashlm.store.reader import merged_read_share
+
+    path, dense, store = tiny_llama
+    row_bytes = 2 * dense.config.intermediate_size * 4  # a dip_in row: up and gate columns, fp32
+    assert merged_read_share(0.5, 4096 // row_bytes) > 0.9
+    disk = DiskProfile(threads=4, request_cost_s=merge_gap_bytes / 1e9, bandwidth=1e9)
+    assert disk.merge_gap_bytes == merge_gap_bytes
+    monkeypatch.setattr(sparse_module, "reader_disk_profile", lambda config, paths: disk)
+    model = load(path, store, method="dip", density=0.5)
+    assert streaming_mlps(model)[0].runtime.read_ahead == read_ahead
 
 
 # ---- bad configs ---------------------------------------------------------------------------------

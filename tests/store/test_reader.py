@@ -20,7 +20,7 @@ import torch
 from conftest import NO_NATIVE_READER, needs_native_reader
 
 from flashlm.engine.io_thread import IOThread
-from flashlm.errors import FlashLMError, StoreCorruptError
+from flashlm.errors import ConfigError, FlashLMError, StoreCorruptError
 from flashlm.sim.simulator import plan_trace_reads
 from flashlm.store import reader as reader_mod
 from flashlm.store.disk import supports_direct
@@ -32,6 +32,7 @@ from flashlm.store.reader import (
     aligned_buffer,
     anonymous_memory,
     break_even_gap_bytes,
+    merged_read_share,
     plan_reads,
     row_matrices,
     row_matrix,
@@ -448,6 +449,34 @@ def test_break_even_gap() -> None:
     assert break_even_gap_bytes(20e-6, 1.5e9) == 28672  # 30 KB, whole pages
     assert break_even_gap_bytes(1e-6, 1e9) == 0
     assert reader_mod.DEFAULT_MERGE_GAP_BYTES % ALIGNMENT == 0
+
+
+@pytest.mark.parametrize(("needed", "gap_units"), [(0.6, 2), (0.3, 2), (0.45, 5), (0.9, 0), (0.6, 12)])
+def test_merged_read_share_is_what_the_planner_reads(needed, gap_units) -> None:
+    """The expected share of a file's rows that `plan_reads` reads for rows needed at random, merging
+    gaps of up to `gap_units` rows, against the plan of 200,000 such rows."""
+    row_bytes, rows = 4096, 200_000
+    mask = np.random.default_rng(5).random(rows) < needed
+    plan = plan_reads(
+        np.flatnonzero(mask),
+        row_bytes,
+        0,
+        alignment=1,
+        merge_gap_bytes=gap_units * row_bytes,
+        max_run_bytes=rows * row_bytes,
+    )
+    share = merged_read_share(needed, gap_units)
+    assert share == pytest.approx(plan.nbytes / (rows * row_bytes), abs=0.005)
+    assert needed <= share <= 1
+
+
+def test_merged_read_share_bounds() -> None:
+    assert merged_read_share(0.6, 0) == 0.6  # no gap read across
+    assert merged_read_share(1.0, 3) == 1.0
+    assert merged_read_share(0.0, 3) == 0.0
+    assert merged_read_share(0.6, 2) == pytest.approx(0.6 + 0.4 * 0.36 * (1 + 2 * 0.4))
+    with pytest.raises(ConfigError, match="share in"):
+        merged_read_share(1.5, 2)
 
 
 def _proc_read_bytes() -> int | None:

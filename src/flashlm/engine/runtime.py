@@ -36,6 +36,8 @@ from .stats import FlashStats, StatsRecorder
 from .trace import TraceRecorder
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ..config import FlashConfig
 
 logger = logging.getLogger(__name__)
@@ -246,6 +248,14 @@ class Guess:
         return further, torch.cat((self.ids, further))
 
 
+def reader_disk_profile(config: FlashConfig, paths: list[Path]) -> DiskProfile | None:
+    """The profile of the disk under the store files `paths` that sets a runtime's reader threads and merge
+    gap (`disk_profile`); None where `io_threads` is given or O_DIRECT is off: the reader's defaults."""
+    if config.io_threads is None and config.direct_io is not False:
+        return disk_profile(paths)
+    return None
+
+
 class Runtime:
     """What the modules of one patched model share whatever their method (see the module docstring).
 
@@ -266,8 +276,7 @@ class Runtime:
         """The measured profile of the store's disk that set the reader's threads and merge gap (None:
         the reader's defaults, or `io_threads` given)."""
         if files:
-            if config.io_threads is None and config.direct_io is not False:
-                self.disk = disk_profile([f.path for f in files.values()])
+            self.disk = reader_disk_profile(config, [f.path for f in files.values()])
             self.reader = StoreReader(
                 files,
                 direct_io=config.direct_io,

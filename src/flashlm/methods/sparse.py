@@ -46,12 +46,12 @@ from torch import nn
 
 from ..activations import is_silu
 from ..cache import NeuronCache
-from ..engine.runtime import CacheUpdate, FlashRuntime
+from ..engine.runtime import CacheUpdate, FlashRuntime, reader_disk_profile
 from ..engine.stats import StageTimes
 from ..errors import ConfigError, UnsupportedArchitectureError
 from ..ops import ColumnProduct, RowProduct
 from ..ops.columns import slot_dtype
-from ..store.reader import DEFAULT_MERGE_GAP_BYTES
+from ..store.reader import DEFAULT_MERGE_GAP_BYTES, merged_read_share
 from .base import method_class, register_method
 from .calibration import CALIBRATION_FILE, Calibration
 from .masking import kept_pairs, union_ids
@@ -182,7 +182,10 @@ class SparseMLP(Selection, FlashMLP):
 
     @classmethod
     def make_runtime(cls, store: Store, config: FlashConfig, fitted: Calibration | None) -> FlashRuntime:
-        read_ahead = (cls.INPUT_KIND,) if reads_ahead(config, store, fitted) else ()
+        paths = [store.row_file(layer, kind).path for layer in range(store.num_layers) for kind in cls.KINDS]
+        disk = reader_disk_profile(config, paths)
+        merge_gap = DEFAULT_MERGE_GAP_BYTES if disk is None else disk.merge_gap_bytes
+        read_ahead = (cls.INPUT_KIND,) if reads_ahead(config, store, fitted, merge_gap) else ()
         return FlashRuntime(
             store,
             config,
@@ -773,24 +776,33 @@ def build_sparse_mlp(
     )
 
 
-READ_AHEAD_MAX_SKIPPED = 0.05
-"""Read ahead when the reader would skip at most this fraction of the unneeded uncached units anyway."""
+READ_AHEAD_MIN_SHARE = 0.6
+"""Read ahead when a read of only the needed units would move at least this share of them anyway.
+Measured on Qwen2.5-1.5B at a 50% budget (`benchmarks/alternate.py`, DIP at ρ_in 0.3, 0.45 and 0.6 across
+its disk's 72 KiB merge gap: shares 0.45, 0.68 and 0.86), reading ahead decoded 0.87x, 1.13x and 1.4x
+as fast as reading on demand."""
 
 
-def reads_ahead(config: FlashConfig, store: Store, calibration: Calibration | None) -> bool:
+def reads_ahead(
+    config: FlashConfig,
+    store: Store,
+    calibration: Calibration | None,
+    merge_gap_bytes: int = DEFAULT_MERGE_GAP_BYTES,
+) -> bool:
     """Whether the first stage reads every uncached unit of the next layer a layer ahead (`read_ahead`).
 
     Methods whose first stage needs every unit always do: nothing read is wasted. DIP needs only
-    ρ_in of its input columns, but the reader merges runs less than `DEFAULT_MERGE_GAP_BYTES` apart
-    (a gap is cheaper to read than another request), so it skips an unneeded unit only in a run
-    of `gap_units + 1` unneeded ones, about `(1 - ρ_in) ** (gap_units + 1)` of them. When that is
-    small, reading them all ahead costs next to nothing more and takes the read off the critical
-    path. (SmolLM2's 6 KiB input columns at ρ_in 0.7: 0.3 ** 7, never skipped.)
+    ρ_in of its input columns, but its reader, which reads across gaps of up to `merge_gap_bytes` (the
+    disk profile's, `FlashRuntime.disk`), moves more: `merged_read_share(ρ_in, gap in rows)` of the
+    uncached units. Read on demand, that read waits after the layer's selection; read ahead whole, it
+    runs while the layer before computes, in long requests. So DIP reads ahead where on demand it would
+    move at least `READ_AHEAD_MIN_SHARE` of the bytes anyway. (At ρ_in 0.6 across a 72 KiB gap: all but
+    0.01% of SmolLM2's 6 KiB input columns, 86% of Qwen2.5-1.5B's 35 KiB ones.)
     """
     if config.read_ahead is not None:
         return config.read_ahead
     if config.method != "dip":
         return True
     rho_in, _ = dip_split(config, calibration, store.path)
-    gap_units = DEFAULT_MERGE_GAP_BYTES // store.row_file(0, DIPMLP.INPUT_KIND).row_bytes
-    return (1 - rho_in) ** (gap_units + 1) <= READ_AHEAD_MAX_SKIPPED
+    gap_units = merge_gap_bytes // store.row_file(0, DIPMLP.INPUT_KIND).row_bytes
+    return merged_read_share(rho_in, gap_units) >= READ_AHEAD_MIN_SHARE

@@ -156,6 +156,22 @@ DEFAULT_MERGE_GAP_BYTES = break_even_gap_bytes(MEASURED_REQUEST_COST_S, MEASURED
 """Gap below which two runs are read as one (the latency x bandwidth model on the measured disk)."""
 
 
+def merged_read_share(needed: float, gap_units: int) -> float:
+    """Expected share of a row file's units that a read of only the needed ones moves, where each unit is
+    needed with probability `needed`, independently, and the reader reads across runs of at most
+    `gap_units` unneeded units (its merge gap, in rows).
+
+    The needed units, plus each unneeded one that lies in such a run between two needed ones: an
+    unneeded unit lies in a run of exactly `l` with probability `l * needed**2 * (1 - needed)**(l - 1)`
+    (edges of the file ignored).
+    """
+    if not 0 <= needed <= 1 or gap_units < 0:
+        raise ConfigError(f"Need a share in [0, 1] and a gap >= 0, got {needed!r} and {gap_units!r}.")
+    skipped = 1 - needed
+    read_across = needed**2 * sum(length * skipped ** (length - 1) for length in range(1, gap_units + 1))
+    return needed + skipped * read_across
+
+
 def pin_for_gpu() -> bool:
     """Whether the host buffers a GPU copies from are pinned (page-locked): wherever CUDA is available.
     Pinned memory crosses by DMA at the bus's speed, pageable memory through the driver's bounce
