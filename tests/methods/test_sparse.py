@@ -829,7 +829,7 @@ def test_decode_products_in_c_compute_what_torch_computes(options, tiny_llama, m
     )
 
 
-def test_reads_ahead_where_a_read_on_demand_would_move_most_units_anyway() -> None:
+def test_reads_ahead_where_a_read_on_demand_would_move_most_units_anyway(caplog) -> None:
     from types import SimpleNamespace
 
     from flashlm.store.reader import DEFAULT_MERGE_GAP_BYTES, merged_read_share
@@ -848,8 +848,15 @@ def test_reads_ahead_where_a_read_on_demand_would_move_most_units_anyway() -> No
     # Qwen's: on demand, 75% of them at ρ_in 0.5 across its disk's gap of two rows, 50% across none;
     # 45% at ρ_in 0.3, where reading on demand decoded faster
     assert merged_read_share(0.5, 2) >= sparse_module.READ_AHEAD_MIN_SHARE > merged_read_share(0.5, 0)
-    assert decide(qwen, qwen_gap, method="dip", density=0.5)
-    assert not decide(qwen, 0, method="dip", density=0.5)
+    with caplog.at_level("INFO", logger="flashlm.methods.sparse"):
+        assert decide(qwen, qwen_gap, method="dip", density=0.5)
+        assert not decide(qwen, 0, method="dip", density=0.5)
+    assert [record.getMessage() for record in caplog.records if record.name == sparse_module.__name__] == [
+        "flashlm: DIP reads its uncached input columns ahead, every one: at ρ_in 0.50 a read of only the "
+        "needed ones would move 75% of them, across gaps of up to 2 columns",
+        "flashlm: DIP reads its uncached input columns when needed: at ρ_in 0.50 a read of only the "
+        "needed ones would move 50% of them, across gaps of up to 0 columns",
+    ]
     assert merged_read_share(0.3, 2) < sparse_module.READ_AHEAD_MIN_SHARE
     assert not decide(qwen, qwen_gap, method="dip", density=0.5, input_density=0.3)
     assert decide(qwen, 0, method="dip", density=0.99, input_density=0.99)

@@ -805,4 +805,13 @@ def reads_ahead(
         return True
     rho_in, _ = dip_split(config, calibration, store.path)
     gap_units = merge_gap_bytes // store.row_file(0, DIPMLP.INPUT_KIND).row_bytes
-    return merged_read_share(rho_in, gap_units) >= READ_AHEAD_MIN_SHARE
+    share = merged_read_share(rho_in, gap_units)
+    logger.info(
+        "flashlm: DIP reads its uncached input columns %s: at ρ_in %.2f a read of only the needed ones "
+        "would move %.0f%% of them, across gaps of up to %d columns",
+        "ahead, every one" if share >= READ_AHEAD_MIN_SHARE else "when needed",
+        rho_in,
+        100 * share,
+        gap_units,
+    )
+    return share >= READ_AHEAD_MIN_SHARE
