@@ -778,9 +778,9 @@ def build_sparse_mlp(
 
 READ_AHEAD_MIN_SHARE = 0.6
 """Read ahead when a read of only the needed units would move at least this share of them anyway.
-Measured on Qwen2.5-1.5B at a 50% budget (`benchmarks/alternate.py`, DIP at ρ_in 0.3, 0.45 and 0.6 across
-its disk's 72 KiB merge gap: shares 0.45, 0.68 and 0.86), reading ahead decoded 0.87x, 1.13x and 1.4x
-as fast as reading on demand."""
+Measured on Qwen2.5-1.5B at a 50% budget (`benchmarks/alternate.py`; DIP@0.5 at ρ_in 0.3 and 0.45, DIP@0.6
+at ρ_in 0.6, across its disk's 72 KiB merge gap: shares 0.45, 0.68 and 0.86), reading ahead decoded
+0.87x, 1.13x and 1.4x as fast as reading on demand."""
 
 
 def reads_ahead(
@@ -806,12 +806,13 @@ def reads_ahead(
     rho_in, _ = dip_split(config, calibration, store.path)
     gap_units = merge_gap_bytes // store.row_file(0, DIPMLP.INPUT_KIND).row_bytes
     share = merged_read_share(rho_in, gap_units)
+    ahead = share >= READ_AHEAD_MIN_SHARE
     logger.info(
         "flashlm: DIP reads its uncached input columns %s: at ρ_in %.2f a read of only the needed ones "
         "would move %.0f%% of them, across gaps of up to %d columns",
-        "ahead, every one" if share >= READ_AHEAD_MIN_SHARE else "when needed",
+        "ahead, every one" if ahead else "when needed",
         rho_in,
         100 * share,
         gap_units,
     )
-    return share >= READ_AHEAD_MIN_SHARE
+    return ahead
