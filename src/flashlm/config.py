@@ -150,9 +150,10 @@ class FlashConfig(QuantizationConfigMixin):
         read_ahead: read the next layer's uncached units while this layer computes (dense streaming:
             every kind; sparse methods: the first stage's, e.g. DIP's up/gate input columns, needed
             or not). `None` (default) decides: always for dense streaming and for methods whose first
-            stage reads every unit; for DIP when a read of only the needed ones would move most of
-            them anyway, across the gaps its disk's reader merges (`flashlm.methods.reads_ahead`:
-            small units, high input density); otherwise DIP-CA reads, a layer ahead,
+            stage reads every unit; for DIP when a read of only the needed ones would cost its disk
+            most of that time anyway, across the gaps its reader merges and with a request per run
+            (`flashlm.methods.reads_ahead`: small units, high input density); otherwise DIP-CA reads,
+            a layer ahead,
             the input columns the next layer would select for this layer's input (the residual stream
             changes little between layers), and only the rest when that layer runs, and plain DIP
             reads each layer's when it runs (it would read every wrong guess). `False` makes

@@ -829,39 +829,44 @@ def test_decode_products_in_c_compute_what_torch_computes(options, tiny_llama, m
     )
 
 
-def test_reads_ahead_where_a_read_on_demand_would_move_most_units_anyway(caplog) -> None:
+def test_reads_ahead_where_a_read_on_demand_would_cost_the_disk_most_of_the_time_anyway(caplog) -> None:
+    """The measured points of `READ_AHEAD_MIN_COST` (across a 72 KiB merge gap), and the options."""
     from types import SimpleNamespace
 
-    from flashlm.store.reader import DEFAULT_MERGE_GAP_BYTES, merged_read_share
+    from flashlm.store.reader import merged_read_cost
 
     def store(row_bytes: int):
         return SimpleNamespace(
             path="store", row_file=lambda layer, kind: SimpleNamespace(row_bytes=row_bytes)
         )
 
-    def decide(row_bytes: int, merge_gap: int = DEFAULT_MERGE_GAP_BYTES, **options) -> bool:
+    def decide(row_bytes: int, merge_gap: int, **options) -> bool:
         return reads_ahead(flashlm.FlashConfig(**options), store(row_bytes), None, merge_gap)
 
-    small, qwen, qwen_gap = 6144, 35840, 72 << 10  # SmolLM2's and Qwen2.5-1.5B's input columns
-    assert merged_read_share(0.7, DEFAULT_MERGE_GAP_BYTES // small) > 0.99
-    assert decide(small, method="dip", density=0.8, input_density=0.7)
-    # Qwen's: on demand, 75% of them at ρ_in 0.5 across its disk's gap of two rows, 50% across none;
-    # 45% at ρ_in 0.3, where reading on demand decoded faster
-    assert merged_read_share(0.5, 2) >= sparse_module.READ_AHEAD_MIN_SHARE > merged_read_share(0.5, 0)
-    with caplog.at_level("INFO", logger="flashlm.methods.sparse"):
-        assert decide(qwen, qwen_gap, method="dip", density=0.5)
-        assert not decide(qwen, 0, method="dip", density=0.5)
+    smollm2, qwen, gap = 6144, 35840, 72 << 10  # input columns' bytes; this VM's disk's merge gap
+    threshold = sparse_module.READ_AHEAD_MIN_COST
+    # where reading ahead decoded faster than on demand, and where slower
+    faster = [(smollm2, 0.1), (smollm2, 0.2), (smollm2, 0.3), (qwen, 0.45), (qwen, 0.6)]
+    slower = [(smollm2, 0.05), (qwen, 0.3)]
+    assert all(merged_read_cost(rho, row_bytes, gap) >= threshold for row_bytes, rho in faster)
+    assert all(merged_read_cost(rho, row_bytes, gap) < threshold for row_bytes, rho in slower)
+    assert decide(smollm2, gap, method="dip", density=0.3, input_density=0.1)
+    assert not decide(smollm2, gap, method="dip", density=0.3, input_density=0.05)
+    with caplog.at_level("INFO", logger=sparse_module.__name__):
+        assert decide(qwen, gap, method="dip", density=0.5)
+        assert not decide(qwen, 0, method="dip", density=0.5)  # no gap: its bytes alone, half
     assert [record.getMessage() for record in caplog.records if record.name == sparse_module.__name__] == [
         "flashlm: DIP reads its uncached input columns ahead, every one: at ρ_in 0.50 a read of only the "
-        "needed ones would move 75% of them, across gaps of up to 2 columns",
-        "flashlm: DIP reads its uncached input columns when needed: at ρ_in 0.50 a read of only the "
-        "needed ones would move 50% of them, across gaps of up to 0 columns",
+        "needed ones would cost the disk 88% of the time of reading them all (merge gap 72 KiB, columns of "
+        "35840 bytes)",
+        "flashlm: DIP reads its uncached input columns when needed: at ρ_in 0.50 a read of only the needed "
+        "ones would cost the disk 50% of the time of reading them all (merge gap 0 KiB, columns of 35840 "
+        "bytes)",
     ]
-    assert merged_read_share(0.3, 2) < sparse_module.READ_AHEAD_MIN_SHARE
-    assert not decide(qwen, qwen_gap, method="dip", density=0.5, input_density=0.3)
+    assert not decide(qwen, gap, method="dip", density=0.5, input_density=0.3)
     assert decide(qwen, 0, method="dip", density=0.99, input_density=0.99)
     assert decide(qwen, 0, method="up", density=0.8)  # its first stage reads every unit
-    assert not decide(small, method="up", density=0.8, read_ahead=False)
+    assert not decide(smollm2, gap, method="up", density=0.8, read_ahead=False)
     assert decide(qwen, 0, method="dip", density=0.5, input_density=0.3, read_ahead=True)
 
 
@@ -869,15 +874,16 @@ def test_reads_ahead_where_a_read_on_demand_would_move_most_units_anyway(caplog)
 def test_dips_read_ahead_follows_the_merge_gap_of_the_stores_disk(
     merge_gap_bytes, read_ahead, tiny_llama, monkeypatch
 ) -> None:
-    """By default DIP reads ahead whole where its disk's profile says the reader would read most of the
-    input columns anyway (`reads_ahead`): at ρ_in 0.5, 50% of them across no gap, over 90% across a page
-    (5 of the tiny llama's input columns)."""
+    """By default DIP reads ahead whole where, with its disk's merge gap, a read of only the needed input
+    columns would cost most of the time of reading them all (`reads_ahead`): at ρ_in 0.5, half of it
+    across no gap, over 90% across a page (5 of the tiny llama's input columns)."""
     from flashlm.store.disk import DiskProfile
-    from flashlm.store.reader import merged_read_share
+    from flashlm.store.reader import merged_read_cost
 
     path, dense, store = tiny_llama
     row_bytes = 2 * dense.config.intermediate_size * 4  # a dip_in row: up and gate columns, fp32
-    assert merged_read_share(0.5, 4096 // row_bytes) > 0.9
+    assert merged_read_cost(0.5, row_bytes, 0) == 0.5
+    assert merged_read_cost(0.5, row_bytes, 4096) > 0.9
     disk = DiskProfile(threads=4, request_cost_s=merge_gap_bytes / 1e9, bandwidth=1e9)
     assert disk.merge_gap_bytes == merge_gap_bytes
     monkeypatch.setattr(sparse_module, "reader_disk_profile", lambda config, paths: disk)

@@ -32,6 +32,7 @@ from flashlm.store.reader import (
     aligned_buffer,
     anonymous_memory,
     break_even_gap_bytes,
+    merged_read_cost,
     merged_read_share,
     plan_reads,
     row_matrices,
@@ -452,9 +453,10 @@ def test_break_even_gap() -> None:
 
 
 @pytest.mark.parametrize(("needed", "gap_units"), [(0.6, 2), (0.3, 2), (0.45, 5), (0.9, 0), (0.6, 12)])
-def test_merged_read_share_is_what_the_planner_reads(needed, gap_units) -> None:
+def test_merged_read_share_and_cost_are_what_the_planner_reads(needed, gap_units) -> None:
     """The expected share of a file's rows that `plan_reads` reads for rows needed at random, merging
-    gaps of up to `gap_units` rows, against the plan of 200,000 such rows."""
+    gaps of up to `gap_units` rows, and its disk time with the runs' requests, against the plan of
+    200,000 such rows."""
     row_bytes, rows = 4096, 200_000
     mask = np.random.default_rng(5).random(rows) < needed
     plan = plan_reads(
@@ -468,6 +470,9 @@ def test_merged_read_share_is_what_the_planner_reads(needed, gap_units) -> None:
     share = merged_read_share(needed, gap_units)
     assert share == pytest.approx(plan.nbytes / (rows * row_bytes), abs=0.005)
     assert needed <= share <= 1
+    # each run a request that costs as much as reading the gap
+    cost = (plan.nbytes + len(plan.run_starts) * gap_units * row_bytes) / (rows * row_bytes)
+    assert merged_read_cost(needed, row_bytes, gap_units * row_bytes) == pytest.approx(cost, abs=0.005)
 
 
 def test_merged_read_share_bounds() -> None:
@@ -477,6 +482,10 @@ def test_merged_read_share_bounds() -> None:
     assert merged_read_share(0.6, 2) == pytest.approx(0.6 + 0.4 * 0.36 * (1 + 2 * 0.4))
     with pytest.raises(ConfigError, match="share in"):
         merged_read_share(1.5, 2)
+    assert merged_read_cost(1.0, 4096, 8192) == 1.0  # one run of every unit
+    assert merged_read_cost(0.5, 4096, 0) == 0.5  # requests free: bytes alone
+    with pytest.raises(ConfigError, match="row_bytes > 0"):
+        merged_read_cost(0.5, 0, 4096)
 
 
 def _proc_read_bytes() -> int | None:

@@ -51,7 +51,7 @@ from ..engine.stats import StageTimes
 from ..errors import ConfigError, UnsupportedArchitectureError
 from ..ops import ColumnProduct, RowProduct
 from ..ops.columns import slot_dtype
-from ..store.reader import DEFAULT_MERGE_GAP_BYTES, merged_read_share
+from ..store.reader import DEFAULT_MERGE_GAP_BYTES, merged_read_cost
 from .base import method_class, register_method
 from .calibration import CALIBRATION_FILE, Calibration
 from .masking import kept_pairs, union_ids
@@ -776,11 +776,12 @@ def build_sparse_mlp(
     )
 
 
-READ_AHEAD_MIN_SHARE = 0.6
-"""Read ahead when a read of only the needed units would move at least this share of them anyway.
-Measured on Qwen2.5-1.5B at a 50% budget (`benchmarks/alternate.py`; DIP@0.5 at ρ_in 0.3 and 0.45, DIP@0.6
-at ρ_in 0.6, across its disk's 72 KiB merge gap: shares 0.45, 0.68 and 0.86), reading ahead decoded
-0.87x, 1.13x and 1.4x as fast as reading on demand."""
+READ_AHEAD_MIN_COST = 0.7
+"""Read ahead when a read of only the needed units would cost the disk at least this share of the time a
+read of every uncached unit takes (`merged_read_cost`). Measured at a 50% budget (`benchmarks/alternate.py`,
+DIP across this VM's 72 KiB merge gap, reading ahead against on demand): Qwen2.5-1.5B's 35 KiB input
+columns at ρ_in 0.3 (cost 0.66) 0.87x as fast, 0.45 (0.84) 1.13x, 0.6 (0.94) 1.4x; SmolLM2's 6 KiB ones at
+ρ_in 0.05 (0.49) 0.70x, 0.1 (0.75) 1.13x, 0.2 (0.95) 1.58x, 0.3 (0.99) 2.17x."""
 
 
 def reads_ahead(
@@ -792,27 +793,28 @@ def reads_ahead(
     """Whether the first stage reads every uncached unit of the next layer a layer ahead (`read_ahead`).
 
     Methods whose first stage needs every unit always do: nothing read is wasted. DIP needs only
-    ρ_in of its input columns, but its reader, which reads across gaps of up to `merge_gap_bytes` (the
-    disk profile's, `FlashRuntime.disk`), moves more: `merged_read_share(ρ_in, gap in rows)` of the
-    uncached units. Read on demand, that read waits after the layer's selection; read ahead whole, it
-    runs while the layer before computes, in long requests. So DIP reads ahead where on demand it would
-    move at least `READ_AHEAD_MIN_SHARE` of the bytes anyway. (At ρ_in 0.6 across a 72 KiB gap: all but
-    0.01% of SmolLM2's 6 KiB input columns, 86% of Qwen2.5-1.5B's 35 KiB ones.)
+    ρ_in of its input columns, but a read of only those costs the disk more than their bytes: its reader
+    reads across gaps of up to `merge_gap_bytes` (the disk profile's, `FlashRuntime.disk`), and each run
+    is a request that costs as much as such a gap (`merged_read_cost`). Read on demand, that read stalls
+    the layer after its selection; read ahead whole, it runs while the layer before computes, in one run.
+    So DIP reads ahead where on demand would cost at least `READ_AHEAD_MIN_COST` of the time anyway. (At
+    ρ_in 0.6 across a 72 KiB gap: SmolLM2's 6 KiB input columns 1.00, Qwen2.5-1.5B's 35 KiB ones 0.94.)
     """
     if config.read_ahead is not None:
         return config.read_ahead
     if config.method != "dip":
         return True
     rho_in, _ = dip_split(config, calibration, store.path)
-    gap_units = merge_gap_bytes // store.row_file(0, DIPMLP.INPUT_KIND).row_bytes
-    share = merged_read_share(rho_in, gap_units)
-    ahead = share >= READ_AHEAD_MIN_SHARE
+    row_bytes = store.row_file(0, DIPMLP.INPUT_KIND).row_bytes
+    cost = merged_read_cost(rho_in, row_bytes, merge_gap_bytes)
+    ahead = cost >= READ_AHEAD_MIN_COST
     logger.info(
         "flashlm: DIP reads its uncached input columns %s: at ρ_in %.2f a read of only the needed ones "
-        "would move %.0f%% of them, across gaps of up to %d columns",
+        "would cost the disk %.0f%% of the time of reading them all (merge gap %d KiB, columns of %d bytes)",
         "ahead, every one" if ahead else "when needed",
         rho_in,
-        100 * share,
-        gap_units,
+        100 * cost,
+        merge_gap_bytes // 1024,
+        row_bytes,
     )
     return ahead

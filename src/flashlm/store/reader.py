@@ -172,6 +172,22 @@ def merged_read_share(needed: float, gap_units: int) -> float:
     return needed + skipped * read_across
 
 
+def merged_read_cost(needed: float, row_bytes: int, merge_gap_bytes: int) -> float:
+    """Expected disk time of a read of only the needed units of a row file (each needed with probability
+    `needed`), as a share of the time to read every unit in one run.
+
+    Its bytes (`merged_read_share`) plus its runs, each a request that costs as much as reading
+    `merge_gap_bytes` (what the break-even gap is, `break_even_gap_bytes`). A needed unit opens a run
+    where more than a gap of unneeded ones precedes it: `needed * (1 - needed) ** (gap_units + 1)` runs
+    per unit.
+    """
+    if row_bytes <= 0 or merge_gap_bytes < 0:
+        raise ConfigError(f"Need row_bytes > 0 and a gap >= 0, got {row_bytes!r} and {merge_gap_bytes!r}.")
+    gap_units = merge_gap_bytes // row_bytes
+    runs = needed * (1 - needed) ** (gap_units + 1)
+    return merged_read_share(needed, gap_units) + runs * merge_gap_bytes / row_bytes
+
+
 def pin_for_gpu() -> bool:
     """Whether the host buffers a GPU copies from are pinned (page-locked): wherever CUDA is available.
     Pinned memory crosses by DMA at the bus's speed, pageable memory through the driver's bounce
