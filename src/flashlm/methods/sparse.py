@@ -780,8 +780,9 @@ READ_AHEAD_MIN_COST = 0.7
 """Read ahead when a read of only the needed units would cost the disk at least this share of the time a
 read of every uncached unit takes (`merged_read_cost`). Measured at a 50% budget (`benchmarks/alternate.py`,
 DIP across this VM's 72 KiB merge gap, reading ahead against on demand): Qwen2.5-1.5B's 35 KiB input
-columns at ρ_in 0.3 (cost 0.66) 0.87x as fast, 0.45 (0.84) 1.13x, 0.6 (0.94) 1.4x; SmolLM2's 6 KiB ones at
-ρ_in 0.05 (0.49) 0.70x, 0.1 (0.75) 1.13x, 0.2 (0.95) 1.58x, 0.3 (0.99) 2.17x."""
+columns at ρ_in 0.3 (cost 0.66) 0.87x as fast, 0.35 (0.73) 0.98x, 0.4 (0.79) 1.02x, 0.45 (0.84) 1.13x,
+0.6 (0.94) 1.4x; SmolLM2's 6 KiB ones at ρ_in 0.05 (0.49) 0.70x, 0.1 (0.75) 1.13x, 0.2 (0.95) 1.58x, 0.3
+(0.99) 2.17x."""
 
 
 def reads_ahead(
