@@ -153,10 +153,9 @@ class FlashConfig(QuantizationConfigMixin):
             stage reads every unit; for DIP when a read of only the needed ones would cost its disk
             most of that time anyway, across the gaps its reader merges and with a request per run
             (`flashlm.methods.reads_ahead`: small units, high input density); otherwise DIP-CA reads,
-            a layer ahead,
-            the input columns the next layer would select for this layer's input (the residual stream
-            changes little between layers), and only the rest when that layer runs, and plain DIP
-            reads each layer's when it runs (it would read every wrong guess). `False` makes
+            a layer ahead, the input columns the next layer would select for this layer's input (the
+            residual stream changes little between layers), and only the rest when that layer runs, and
+            plain DIP reads each layer's when it runs (it would read every wrong guess). `False` makes
             each layer read what it needs when it needs it: slower, but its compute then runs
             without reads beside it (for measuring what overlapped I/O costs the compute). The
             output is unchanged, but for DIP-CA's with the guess (guessed columns count as resident).
