@@ -10,8 +10,12 @@ wait, selection, cache bookkeeping (lookup, read submission, admission; the subm
 compute and MB read per token from `flashlm.stats`. Every variant's MLP modules are timed by forward
 hooks (`per_token_path.MLPTimer`); where a `ram` variant runs, each flashlm variant's compute is also
 given over the first `ram` variant's MLP time, beside its bookkeeping over its compute (issue 14's
-targets, measured in one process). The last column says whether the variant decoded the first
-variant's greedy tokens.
+targets, measured in one process). The rest of a step (its time outside the MLP modules: attention,
+norms, the head, which flashlm leaves to transformers) is given too, and over the `ram` variant's: a
+control for what the variant's reads and waits cost code that flashlm does not run. The last column
+says whether the variant decoded the first variant's greedy tokens. With `--profile-ops N`, every
+block runs under torch.profiler, and a second table gives each variant's self CPU time and calls per
+token of the N costliest operators of any variant.
 
     python benchmarks/alternate.py --model smollm2-135m --base memory_budget=50% \\
         --variant cache_split=read-cost --variant cache_split=in-order
@@ -23,9 +27,11 @@ variant's greedy tokens.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
+from collections import Counter
 from typing import Any
 
 import torch
@@ -75,6 +81,10 @@ class Variant:
         self.mlp_timer: MLPTimer | None = None
         self.tokens: list[int] = []
         self.blocks: list[dict[str, float]] = []
+        self.op_ms: Counter[str] = Counter()
+        """Self CPU milliseconds per operator over the profiled blocks (`--profile-ops`)."""
+        self.op_calls: Counter[str] = Counter()
+        self.profiled_tokens = 0
 
     def load(self, path, ids: torch.Tensor) -> None:
         if self.ram:
@@ -93,16 +103,25 @@ class Variant:
         self.out = self.model(input_ids=token, past_key_values=self.out.past_key_values)
         return int(token)
 
-    def decode_block(self, tokens: int, default_threads: int) -> dict[str, float]:
+    def decode_block(self, tokens: int, default_threads: int, profile: bool = False) -> dict[str, float]:
         torch.set_num_threads(self.threads or default_threads)
         if not self.ram:
             flashlm.stats(self.model, reset=True)
         self.mlp_timer.seconds = 0.0
-        with torch.inference_mode():
+        profiler = (
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
+        )
+        with torch.inference_mode(), profiler or contextlib.nullcontext():
             started = time.perf_counter()
             self.tokens += [self.step() for _ in range(tokens)]
             block = {"tok_s": tokens / (time.perf_counter() - started)}
+        if profiler is not None:
+            for event in profiler.key_averages():
+                self.op_ms[event.key] += event.self_cpu_time_total / 1e3
+                self.op_calls[event.key] += event.count
+            self.profiled_tokens += tokens
         block["mlp_ms"] = 1e3 * self.mlp_timer.seconds / tokens
+        block["rest_ms"] = 1e3 / block["tok_s"] - block["mlp_ms"]
         if not self.ram:
             totals = flashlm.stats(self.model).totals(decode_only=True)
             block["io_ms"] = 1e3 * totals["io_s_per_step"]
@@ -136,8 +155,8 @@ def table(variants: list[Variant]) -> str:
     lines = [
         "| variant | tok/s per block | median tok/s | x first | MLP ms (hooks) | I/O wait ms | select ms "
         "| cache ms | of which submission | compute ms | compute / ram MLP | cache / compute | MB read "
-        "| tokens = first |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| rest of step ms | rest / ram rest | tokens = first |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for variant in variants:
         blocks = " / ".join(f"{block['tok_s']:.2f}" for block in variant.blocks)
@@ -145,15 +164,39 @@ def table(variants: list[Variant]) -> str:
         compute = variant.median("compute_ms")
         over_ram = None if ram is None or compute is None else compute / ram.median("mlp_ms")
         bookkeeping = None if compute is None else variant.median("cache_ms") / compute
+        rest = variant.median("rest_ms")
+        rest_over_ram = None if ram is None else rest / ram.median("rest_ms")
         lines.append(
             f"| {variant.label} | {blocks} | {tok_s:.2f} | {tok_s / first.median('tok_s'):.2f} "
             f"| {variant.median('mlp_ms'):.1f} "
             f"| {cell(variant.median('io_ms'), '.1f')} | {cell(variant.median('select_ms'), '.1f')} "
             f"| {cell(variant.median('cache_ms'), '.1f')} | {cell(variant.median('submit_ms'), '.1f')} "
             f"| {cell(compute, '.1f')} | {cell(over_ram, '.2f')} | {cell(bookkeeping, '.1%')} "
-            f"| {cell(variant.median('mb'), '.1f')} "
+            f"| {cell(variant.median('mb'), '.1f')} | {rest:.1f} | {cell(rest_over_ram, '.2f')} "
             f"| {'yes' if variant.tokens == first.tokens else 'no'} |"
         )
+    return "\n".join(lines)
+
+
+def ops_table(variants: list[Variant], count: int) -> str:
+    """Self CPU ms and calls per token of the `count` costliest operators of each variant, for all."""
+    ops: list[str] = []
+    for variant in variants:
+        ops += [op for op, _ in variant.op_ms.most_common(count) if op not in ops]
+    ops.sort(key=lambda op: -max(variant.op_ms[op] / variant.profiled_tokens for variant in variants))
+    lines = [
+        "| operator (self ms, calls per token) | " + " | ".join(variant.label for variant in variants) + " |",
+        "|---" * (len(variants) + 1) + "|",
+    ]
+    for op in [*ops, "all operators"]:
+        cells = []
+        for variant in variants:
+            if op == "all operators":
+                cells.append(f"{sum(variant.op_ms.values()) / variant.profiled_tokens:.1f}")
+            else:
+                per_token = variant.op_ms[op] / variant.profiled_tokens
+                cells.append(f"{per_token:.2f} ({variant.op_calls[op] / variant.profiled_tokens:.0f})")
+        lines.append(f"| {op} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -168,10 +211,20 @@ def main() -> None:
     parser.add_argument("--variant", action="append", required=True, help="options of one variant (repeat)")
     parser.add_argument("--tokens", type=int, default=16, help="decode steps per block")
     parser.add_argument("--rounds", type=int, default=4, help="blocks per variant")
+    parser.add_argument(
+        "--profile-ops",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile every block; tabulate the N costliest operators",
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if args.tokens < 1 or args.rounds < 1 or len(args.variant) < 2:
-        parser.error("--tokens and --rounds must be positive, and --variant given at least twice")
+    if args.tokens < 1 or args.rounds < 1 or args.profile_ops < 0 or len(args.variant) < 2:
+        parser.error(
+            "--tokens and --rounds must be positive, --profile-ops not negative, "
+            "and --variant given at least twice"
+        )
     try:
         base = parse_options(args.base)
         variants = [Variant(text, {**base, **parse_options(text)}) for text in args.variant]
@@ -184,13 +237,16 @@ def main() -> None:
         variant.load(path, ids)
     for index in block_order(len(variants), args.rounds):
         variant = variants[index]
-        block = variant.decode_block(args.tokens, default_threads)
+        block = variant.decode_block(args.tokens, default_threads, profile=args.profile_ops > 0)
         print(f"{variant.label}: " + ", ".join(f"{k} {v:.2f}" for k, v in block.items()), flush=True)
     print(
         f"\n{path.name}, base {args.base or '(none)'}, {os.cpu_count()} CPUs, blocks of {args.tokens} tokens "
         f"(per block in the order they ran; ms and MB per token)\n"
     )
     print(table(variants))
+    if args.profile_ops:
+        print("\ntorch.profiler, every block (self CPU time; an operator's children not included)\n")
+        print(ops_table(variants, args.profile_ops))
 
 
 if __name__ == "__main__":
