@@ -33,7 +33,8 @@ def _path(name: str) -> Path | None:
 
 def recall(name: str, key: str, kind: Callable[..., T]) -> T | None:
     """The entry remembered under `key` in measurements file `name`, as `kind(**entry)`; None where there
-    is none, or one of another shape (a file of an older flashlm): measure again, and rewrite it."""
+    is none, or one `kind` refuses (a file of an older flashlm, or damaged): measure again, and rewrite
+    it."""
     path = _path(name)
     try:
         entry = json.loads(path.read_text())[key] if path is not None else None
@@ -43,7 +44,7 @@ def recall(name: str, key: str, kind: Callable[..., T]) -> T | None:
         return None
     try:
         return kind(**entry)
-    except TypeError:
+    except (TypeError, ValueError, KeyError):  # fields or values `kind` refuses
         return None
 
 
