@@ -1,7 +1,7 @@
 """Flash throughput as flashlm's reader delivers it during decode: a hardware profile for the simulator.
 
-The `this-machine` preset's flash table comes from raw O_DIRECT reads of a test file with nothing
-else running (`reader_throughput.py`). During a decode the reader is not alone: it shares two
+The `this-machine` profile's flash table comes from raw O_DIRECT reads of a test file with nothing
+else running (`flashlm.sim.hardware.this_machine`). During a decode the reader is not alone: it shares two
 cores with the model, and each call also plans its reads and gathers the rows under the GIL. This
 script measures the reader itself: `StoreReader.read` calls on the SmolLM2 store's files, each
 reading runs of R consecutive rows spaced so the reader does not merge them, for R from one row
@@ -11,8 +11,9 @@ decode` (the default) plain transformers decodes SmolLM2 in RAM on the main thre
 
 Each cell gives the mean request size (reader bytes / requests) and the throughput (reader bytes /
 time inside `read`); the cells make the profile's scattered-read table, the whole-file cell its
-sequential bandwidth, and DRAM figures are the `this-machine` preset's. The profile is written as
-JSON for `flashlm simulate --hardware FILE` and `benchmarks/sim_validation.py --hardware FILE`.
+sequential bandwidth, and DRAM figures are the `this-machine` profile's (measured on first use). The
+profile is written as JSON for `flashlm simulate --hardware FILE` and `benchmarks/sim_validation.py
+--hardware FILE`.
 
 None of the traces the validation replays is used here: the profile is measured on synthetic
 read patterns, so comparing its predictions with the recorded runs is still a test.
@@ -36,7 +37,7 @@ import torch
 from flashlm import FlashConfig
 from flashlm.data.models import default_model_path
 from flashlm.methods.mlp import open_checkpoint_store
-from flashlm.sim.hardware import PRESETS, save_profile
+from flashlm.sim.hardware import save_profile, this_machine
 from flashlm.store import add_kinds
 from flashlm.store.reader import DEFAULT_MERGE_GAP_BYTES, StoreReader
 from flashlm.store.rowfile import ALIGNMENT
@@ -184,7 +185,7 @@ def main() -> None:
     # A profile caps scattered reads at its sequential bandwidth; a whole-file call (its chunks
     # read like any others) can come out slower than long runs by noise, so the cap is the best seen.
     profile = dataclasses.replace(
-        PRESETS["this-machine"],
+        this_machine(),
         name=f"this machine, reader under {args.load} load (benchmarks/reader_profile.py)",
         flash_sequential_bandwidth=max(sequential, max(rate for _, rate in table)),
         flash_random=tuple(table),

@@ -12,9 +12,10 @@ predicted flash bytes, requests and I/O time per token are printed next to the m
 * I/O ms/token: `io_busy_ms` (time the reader was busy) when the result has it, otherwise `io_ms`,
   the time the layers waited for their reads.
 
-The default profiles are "this-machine" (the raw disk, nothing else running) and
-"this-machine-decode" (the reader measured during an in-RAM decode by `reader_profile.py`, on
-synthetic read patterns, not these traces).
+The default profiles are "this-machine" (this machine's raw disk, nothing else running, measured on
+first use) and "dev-vm-decode" (the reader measured during an in-RAM decode by `reader_profile.py` on
+flashlm's development VM, on synthetic read patterns, not these traces; `reader_profile.py` writes
+this machine's, for `--hardware FILE`).
 
 A trace holds every step since the model was loaded, the prefill's first, so its replay starts from
 the caches the run started from; by default (`--warmup 1`) that step is left out of the predictions,
@@ -70,9 +71,9 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="the traced checkpoint (default: SmolLM2)")
     parser.add_argument(
         "--hardware",
-        default="this-machine,this-machine-decode",
-        help="comma-separated presets or profile .json files, one table each (default: the raw disk, "
-        "and the reader measured during decode)",
+        default="this-machine,dev-vm-decode",
+        help="comma-separated presets or profile .json files, one table each (default: this machine's raw "
+        "disk, and the development VM's reader measured during decode)",
     )
     parser.add_argument(
         "--warmup", type=int, default=1, help="leading trace steps left out (default 1: the prefill)"

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,8 +21,8 @@ import torch
 from flashlm.cli.sim import add_simulate_parser, cmd_simulate
 from flashlm.engine.trace import TraceRecorder
 from flashlm.errors import ConfigError
-from flashlm.sim import replay
-from flashlm.sim.hardware import GB, PRESETS, HardwareProfile, KiB, get_preset
+from flashlm.sim import hardware, replay
+from flashlm.sim.hardware import GB, PRESETS, HardwareProfile, KiB, MiB, get_preset, this_machine
 from flashlm.sim.plots import plot_memory_sweep, sweep_memory
 from flashlm.sim.reproductions import REPRODUCTIONS, TOLERANCE, opt_windowed
 from flashlm.sim.reproductions import markdown as reproductions_markdown
@@ -33,7 +35,14 @@ from flashlm.sim.simulator import (
     plan_trace_reads,
     simulate,
 )
-from flashlm.store.reader import DEFAULT_CHUNK_BYTES, DEFAULT_MERGE_GAP_BYTES, plan_reads, split_chunks
+from flashlm.store import disk
+from flashlm.store.reader import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MERGE_GAP_BYTES,
+    DEFAULT_THREADS,
+    plan_reads,
+    split_chunks,
+)
 
 A18 = PRESETS["a18"]
 M1_MAX = PRESETS["m1-max"]
@@ -66,7 +75,7 @@ def test_reproductions_table_lists_every_case():
 
 
 def test_flash_bandwidth_interpolates_in_log_chunk_and_clamps():
-    profile = PRESETS["this-machine"]
+    profile = PRESETS["dev-vm"]
     assert profile.flash_bandwidth(4 * KiB) == pytest.approx(136e6)
     assert profile.flash_bandwidth(1 * KiB) == pytest.approx(136e6)
     assert profile.flash_bandwidth(1 << 30) == pytest.approx(1542e6)
@@ -94,8 +103,52 @@ def test_bad_hardware_profile_raises(fields, message):
 
 
 def test_unknown_preset_names_the_available_ones():
-    with pytest.raises(ConfigError, match="a18, m1-max, rtx4090-pc, this-machine"):
+    with pytest.raises(ConfigError, match="a18, m1-max, rtx4090-pc, dev-vm, dev-vm-decode, this-machine"):
         get_preset("pixel")
+
+
+def test_this_machine_is_measured_on_first_use_and_remembered(tmp_path, monkeypatch):
+    """`this-machine` reads a test file under flashlm's store directory once per chunk size on the reader's
+    default threads, removes it, and remembers the profile for the host and disk; a remembered entry
+    the profile refuses is measured again."""
+    monkeypatch.setenv("FLASHLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(disk, "supports_direct", lambda directory: True)
+    monkeypatch.setattr(hardware, "TEST_FILE_BYTES", 1 << 20)
+    monkeypatch.setattr(hardware, "DRAM_PROBE_BYTES", 1 << 20)
+    reads = []
+
+    def read(path, chunk, threads, seconds):
+        assert Path(path).stat().st_size == 1 << 20
+        reads.append((Path(path).parent, chunk, threads, seconds))
+        return {"chunk_bytes": chunk, "bytes_per_s": 1000.0 * chunk**0.5}
+
+    monkeypatch.setattr(disk, "random_read_throughput", read)
+    profile = get_preset("this-machine")
+    stores = tmp_path / "cache" / "stores"
+    chunks = (4 * KiB, 32 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
+    assert reads == [(stores, chunk, DEFAULT_THREADS, hardware.MEASURED_SECONDS) for chunk in chunks]
+    assert profile.flash_random == tuple((chunk, 1000.0 * chunk**0.5) for chunk in chunks)
+    assert profile.flash_sequential_bandwidth == 1000.0 * (4 * MiB) ** 0.5
+    assert profile.dram_bytes == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert profile.dram_bandwidth > 0
+    assert list(stores.iterdir()) == []  # the test file is gone
+
+    assert get_preset("this-machine") == profile
+    assert len(reads) == len(chunks)  # remembered: nothing read again
+
+    remembered = tmp_path / "cache" / "measurements" / hardware.MACHINE_PROFILES
+    entries = json.loads(remembered.read_text())
+    for entry in entries.values():
+        entry["dram_bandwidth"] = -1.0
+    remembered.write_text(json.dumps(entries))
+    assert this_machine(progress=False).flash_random == profile.flash_random
+    assert len(reads) == 2 * len(chunks)
+
+
+def test_this_machine_refuses_a_disk_without_o_direct(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk, "supports_direct", lambda directory: False)
+    with pytest.raises(ConfigError, match=r"refuses O_DIRECT.*this_machine\(directory\)"):
+        this_machine(tmp_path)
 
 
 # ---- static allocation (DIP appendix A) --------------------------------------------------------
@@ -313,7 +366,7 @@ def test_trace_workload_agrees_with_replay(policy):
     model = _tiny_model()
     mlp = 2 * 64 * 4096
     static = model.attention_bytes + model.embedding_bytes
-    profile = PRESETS["this-machine"].with_overrides(dram_bytes=static + 0.25 * mlp)
+    profile = PRESETS["dev-vm"].with_overrides(dram_bytes=static + 0.25 * mlp)
     result = simulate(profile, Workload(model, trace), policy=policy, include_compute=False)
     expected = replay(trace, capacity=0.25, policy=policy, record_misses=True)
     sizes = np.concatenate([plan_trace_reads(missed, 4096, 64) for missed in expected.missed_ids.values()])
@@ -345,7 +398,7 @@ def test_trace_bytes_follow_the_readers_plan(unit_bytes):
     """Planned bytes are `plan_reads`' aligned runs over each step's misses; merged requests <= misses."""
     trace = _trace(num_units=256, unit_bytes=unit_bytes)
     model = _tiny_model()
-    profile = PRESETS["this-machine"]
+    profile = PRESETS["dev-vm"]
     capacities = {key: 40 for key in trace.layer_kinds()}
     result = simulate(
         profile, Workload(model, trace), policy="lru", capacities=capacities, include_compute=False
@@ -388,7 +441,7 @@ def test_trace_misses_are_planned_with_the_runs_reader_settings():
     """A trace records how its run's reader cut reads (`StoreReader.plan_settings`); the simulator plans
     the misses with those, and with the reader's defaults where a trace has none."""
     settings = {"threads": 64, "chunk_bytes": 4096, "merge_gap_bytes": 0}  # one request per 4 KiB miss
-    model, profile = _tiny_model(), PRESETS["this-machine"]
+    model, profile = _tiny_model(), PRESETS["dev-vm"]
     capacities = {(0, "ffn"): 16, (1, "ffn"): 16}
     expected = replay(_trace(), capacity=capacities, policy="lru", record_misses=True)
     results = {}
@@ -411,7 +464,7 @@ def test_kinds_read_ahead_whole_pin_a_block_and_read_every_unit_outside_it():
     """A kind the run read ahead whole (`read_ahead` in the trace's metadata) pins a block of units, as the
     runtime does (`read_ahead_block`), and reads every unit outside it at every step, not only the
     step's misses: more bytes, in one run."""
-    model, profile = _tiny_model(), PRESETS["this-machine"]
+    model, profile = _tiny_model(), PRESETS["dev-vm"]
     capacities = {(0, "ffn"): 16, (1, "ffn"): 16}
     expected = replay(_trace(), capacity=capacities, policy="lru", read_ahead=("ffn",))
     assert all(ids.tolist() == list(range(16, 64)) for read in expected.uncached_ids.values() for ids in read)
@@ -446,7 +499,7 @@ def test_kinds_read_ahead_whole_pin_a_block_and_read_every_unit_outside_it():
 def test_trace_with_bad_reader_settings_raises(settings):
     trace = _trace(metadata={"reader": settings})
     with pytest.raises(ConfigError, match=r"reader settings.*record the trace again"):
-        simulate(PRESETS["this-machine"], Workload(_tiny_model(), trace), policy="lru")
+        simulate(PRESETS["dev-vm"], Workload(_tiny_model(), trace), policy="lru")
 
 
 def test_trace_with_explicit_capacities_reproduces_replay():
@@ -455,21 +508,21 @@ def test_trace_with_explicit_capacities_reproduces_replay():
     capacities = {(0, "ffn"): 7, (1, "ffn"): 20}
     expected = replay(trace, capacity=capacities, policy="lfu")
     for given in (capacities, {"0/ffn": 7, "1/ffn": 20}):
-        result = simulate(PRESETS["this-machine"], Workload(model, trace), policy="lfu", capacities=given)
+        result = simulate(PRESETS["dev-vm"], Workload(model, trace), policy="lfu", capacities=given)
         assert result.hit_rate == pytest.approx(expected.hit_rate)
         assert result.allocation.mlp_cache_bytes == 27 * 4096
-    uniform = simulate(PRESETS["this-machine"], Workload(model, trace), policy="lfu")
+    uniform = simulate(PRESETS["dev-vm"], Workload(model, trace), policy="lfu")
     assert uniform.hit_rate != pytest.approx(expected.hit_rate)
     with pytest.raises(ConfigError, match="capacity"):
-        simulate(PRESETS["this-machine"], Workload(model, trace), policy="lfu", capacities={(0, "ffn"): 7})
+        simulate(PRESETS["dev-vm"], Workload(model, trace), policy="lfu", capacities={(0, "ffn"): 7})
     with pytest.raises(ConfigError, match="trace workload only"):
-        simulate(PRESETS["this-machine"], Workload(model), capacities=capacities)
+        simulate(PRESETS["dev-vm"], Workload(model), capacities=capacities)
 
 
 def test_trace_warmup_drops_leading_steps():
     trace = _trace()
     model = _tiny_model()
-    profile = PRESETS["this-machine"]
+    profile = PRESETS["dev-vm"]
     result = simulate(profile, Workload(model, trace), policy="lru", warmup=10)
     expected = replay(trace, capacity=1.0, policy="lru", record_misses=True)
     planned = sum(plan_trace_reads(missed[10:], 4096, 64).sum() for missed in expected.missed_ids.values())

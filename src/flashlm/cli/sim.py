@@ -12,7 +12,7 @@ from pathlib import Path
 from .._utils import format_bytes, parse_bytes
 from ..engine.trace import Trace
 from ..errors import ConfigError
-from ..sim.hardware import PRESETS, HardwareProfile, get_preset
+from ..sim.hardware import PRESETS, THIS_MACHINE, HardwareProfile, get_preset
 from ..sim.replay import REPLAY_POLICIES
 from ..sim.simulator import (
     ANALYTIC_POLICIES,
@@ -40,7 +40,8 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     parser.add_argument(
         "--hardware",
         default="a18",
-        help=f"hardware preset ({', '.join(PRESETS)}; default a18) or a profile .json (save_profile)",
+        help=f"hardware preset ({', '.join(PRESETS)}; default a18), {THIS_MACHINE} (measured here on first "
+        "use, then remembered) or a profile .json (save_profile)",
     )
     parser.add_argument(
         "--reproduce",

@@ -1,7 +1,7 @@
 """flashlm.sim: offline studies on recorded traces (cache-policy replay, Belady's oracle) and the
 hardware simulator (latency per token on a device profile, DIP appendix A, LLM in a flash §3)."""
 
-from .hardware import PRESETS, HardwareProfile, get_preset, load_profile, save_profile
+from .hardware import PRESETS, HardwareProfile, get_preset, load_profile, save_profile, this_machine
 from .replay import REPLAY_POLICIES, ReplayResult, replay
 from .simulator import (
     ANALYTIC_POLICIES,
@@ -35,4 +35,5 @@ __all__ = [
     "replay",
     "save_profile",
     "simulate",
+    "this_machine",
 ]

@@ -15,8 +15,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -148,14 +150,15 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-# The development machine, measured: flash numbers from the comment at the top of
-# flashlm/store/reader.py (benchmarks/reader_throughput.py, O_DIRECT random reads over a 1 GB
-# file), the 4-thread column because StoreReader runs 4 threads (DEFAULT_THREADS); sequential
+# The VM flashlm was first developed on (2 vCPUs, 23 GiB), measured: flash numbers from the comment at
+# the top of flashlm/store/reader.py (benchmarks/reader_throughput.py, O_DIRECT random reads over a
+# 1 GB file), the 4-thread column because StoreReader runs 4 threads (DEFAULT_THREADS); sequential
 # = the best cell, 1671 MB/s (512 KiB x 2 threads). DRAM: 23 GiB total per `free -g`; its
 # bandwidth, measured for this preset with numpy on a 256 MiB array (best of 5): a sum reads
 # 16.7 GB/s, a copy moves 24.2 GB/s (read + write); 16.7 GB/s, the read figure, bounds GEMVs.
-_THIS_MACHINE = HardwareProfile(
-    name="this machine (benchmarks/reader_throughput.py)",
+# The machine at hand is `this-machine` (`this_machine`), measured where it runs.
+_DEV_VM = HardwareProfile(
+    name="flashlm's development VM (benchmarks/reader_throughput.py)",
     dram_bytes=23 * 1024**3,
     dram_bandwidth=16.7 * GB,
     flash_sequential_bandwidth=1671e6,
@@ -207,17 +210,17 @@ PRESETS: dict[str, HardwareProfile] = {
         gpu_bandwidth=1008 * GB,
         pcie_bandwidth=31.5 * GB,
     ),
-    "this-machine": _THIS_MACHINE,
-    # The same machine as flashlm's reader delivers flash during a decode: StoreReader calls on the
+    "dev-vm": _DEV_VM,
+    # The same VM as flashlm's reader delivers flash during a decode: StoreReader calls on the
     # SmolLM2 store (runs of 1..64 rows of 3456 bytes, and whole files), timed inside `read` as the
     # runtime's io_busy is, with an in-RAM decode of SmolLM2 running beside them:
     #   python benchmarks/reader_profile.py --load decode      (3 s per cell; 2026-11-21)
     # Points are (mean request bytes, MB/s). Slower than the raw disk above: each call also plans,
     # waits on its 4 threads and gathers rows, and shares two cores with the model. Measured on
     # synthetic read patterns, not on the traces benchmarks/sim_validation.py replays.
-    "this-machine-decode": replace(
-        _THIS_MACHINE,  # DRAM as measured for this-machine; flash as the reader delivers it
-        name="this machine, reader during decode (benchmarks/reader_profile.py)",
+    "dev-vm-decode": replace(
+        _DEV_VM,  # DRAM as measured for dev-vm; flash as the reader delivers it
+        name="flashlm's development VM, reader during decode (benchmarks/reader_profile.py)",
         flash_sequential_bandwidth=992e6,
         flash_random=(
             (7418, 146e6),
@@ -232,16 +235,98 @@ PRESETS: dict[str, HardwareProfile] = {
 }
 """Named profiles for `simulate` and `flashlm simulate --hardware`."""
 
+THIS_MACHINE = "this-machine"
+"""The profile name `get_preset` answers by measuring the machine at hand (`this_machine`)."""
+MACHINE_PROFILES = "machine_profiles.json"
+"""Measurements file (`flashlm._measurements`) of `this_machine`'s profiles, by host and disk."""
+MEASURED_CHUNKS = (4 * KiB, 32 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
+"""Chunk sizes `this_machine` reads the disk in, one flash table point each."""
+MEASURED_SECONDS = 0.5
+"""Seconds `this_machine` reads each chunk size for."""
+TEST_FILE_BYTES = 1 << 30
+"""Size of the file `this_machine` reads: large against the caches of a disk (and of a VM's host)."""
+DRAM_PROBE_BYTES = 256 * MiB
+"""Bytes `this_machine` sums to time DRAM, past any CPU cache."""
+
 
 def get_preset(name: str) -> HardwareProfile:
-    """The preset called `name`, or the profile saved at `name` if it is a `.json` file (`save_profile`);
-    `ConfigError` naming the available presets otherwise."""
+    """The preset called `name`, this machine measured (`this-machine`: `this_machine`), or the profile
+    saved at `name` if it is a `.json` file (`save_profile`); `ConfigError` naming the available
+    presets otherwise."""
     if name in PRESETS:
         return PRESETS[name]
+    if name == THIS_MACHINE:
+        return this_machine()
     if name.endswith(".json"):
         return load_profile(name)
     raise ConfigError(
-        f"Unknown hardware preset {name!r}. Available: {', '.join(PRESETS)}, or a profile .json file."
+        f"Unknown hardware preset {name!r}. Available: {', '.join([*PRESETS, THIS_MACHINE])}, or a profile "
+        ".json file."
+    )
+
+
+def this_machine(
+    directory: str | os.PathLike[str] | None = None, *, progress: bool = True
+) -> HardwareProfile:
+    """The machine at hand, measured the first time it is asked for and remembered per host and disk
+    (`flashlm._measurements`): its physical memory (all of it, as `dev-vm` counts it: `--dram` sets
+    what a model may use); the bandwidth of a sum over `DRAM_PROBE_BYTES` on
+    torch's threads (a decode's products stream their weights as fast); and O_DIRECT random reads of a
+    `TEST_FILE_BYTES` file written under `directory` (default: flashlm's store directory) and removed
+    after, on the reader's default threads, one point per chunk size of `MEASURED_CHUNKS` (the
+    sequential bandwidth is the best of them), with a progress bar unless `progress` is False. About ten
+    seconds. `ConfigError` where that disk refuses O_DIRECT."""
+    from .._measurements import recall, remember
+    from .._utils import cache_dir
+    from ..store import disk
+
+    directory = Path(directory) if directory is not None else cache_dir() / "stores"
+    directory.mkdir(parents=True, exist_ok=True)
+    if not disk.supports_direct(directory):
+        raise ConfigError(
+            f"Cannot measure this machine's disk under {directory}: its file system refuses O_DIRECT, so "
+            "reads would come from the page cache. Measure under a directory on the disk the stores live "
+            "on (`this_machine(directory)`, or `FLASHLM_CACHE` for the default), or pass a profile .json "
+            "(benchmarks/reader_profile.py writes one)."
+        )
+    device = directory.stat().st_dev
+    key = f"{os.uname().nodename}|{os.major(device)}:{os.minor(device)}"
+    if (known := recall(MACHINE_PROFILES, key, _profile_from_fields)) is not None:
+        return known
+    profile = _measure_machine(directory, progress)
+    remember(MACHINE_PROFILES, key, asdict(profile))
+    return profile
+
+
+def _measure_machine(directory: Path, progress: bool) -> HardwareProfile:
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..store import disk
+    from ..store.reader import DEFAULT_THREADS
+
+    test_file = directory / f".flashlm-disk-test-{os.getpid()}"
+    bar = tqdm(MEASURED_CHUNKS, desc="Measuring this machine's disk", unit="chunk size", disable=not progress)
+    try:
+        disk.write_test_file(test_file, TEST_FILE_BYTES)
+        reads = [
+            disk.random_read_throughput(test_file, chunk, DEFAULT_THREADS, MEASURED_SECONDS) for chunk in bar
+        ]
+    finally:
+        test_file.unlink(missing_ok=True)
+    flash = tuple((read["chunk_bytes"], read["bytes_per_s"]) for read in reads)
+    probe = torch.ones(DRAM_PROBE_BYTES // 4, dtype=torch.float32)
+    sums = []
+    for _ in range(5):
+        started = time.perf_counter()
+        probe.sum()
+        sums.append(time.perf_counter() - started)
+    return HardwareProfile(
+        name=f"this machine ({os.uname().nodename}, measured by flashlm.sim.hardware.this_machine)",
+        dram_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        dram_bandwidth=DRAM_PROBE_BYTES / min(sums),
+        flash_sequential_bandwidth=max(rate for _, rate in flash),
+        flash_random=flash,
     )
 
 
@@ -256,10 +341,14 @@ def save_profile(profile: HardwareProfile, path: str | os.PathLike[str]) -> Path
 def load_profile(path: str | os.PathLike[str]) -> HardwareProfile:
     """A profile written by `save_profile`; `ConfigError` if the file is missing or not a profile."""
     try:
-        fields = json.loads(Path(path).read_text())
-        fields["flash_random"] = tuple(tuple(point) for point in fields["flash_random"])
-        return HardwareProfile(**fields)
+        return _profile_from_fields(**json.loads(Path(path).read_text()))
     except FileNotFoundError:
         raise ConfigError(f"No hardware profile at {path}.") from None
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"{path} is not a hardware profile written by save_profile ({exc!r}).") from exc
+
+
+def _profile_from_fields(**fields: Any) -> HardwareProfile:
+    """A profile from its fields as JSON holds them (`asdict`), its flash table's lists as tuples."""
+    fields["flash_random"] = tuple(tuple(point) for point in fields["flash_random"])
+    return HardwareProfile(**fields)

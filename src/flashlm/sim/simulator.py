@@ -28,8 +28,9 @@ One cost model for DIP's hardware simulator (appendix A) and LLM in a flash's (Â
     `DEFAULT_CHUNK_BYTES` up to `SPREAD_CHUNKS` chunks, with the run's reader settings); the bytes
     are the planned ones (over-read included) and each request takes
     `size / profile.flash_bandwidth(size)`. The profile's table is measured throughput at the
-    reader's concurrency (4 threads for "this-machine"), so it already carries the per-request cost
-    amortized over the requests in flight; no separate latency term is added;
+    reader's concurrency (its 4 default threads for "dev-vm" and "this-machine"), so it already
+    carries the per-request cost amortized over the requests in flight; no separate latency term is
+    added;
   - memory management: every byte read from flash written once into DRAM; with a GPU, every MLP
     byte the GPU tier misses (served from DRAM, or read from flash: the read's bytes) sent once
     over PCIe;
