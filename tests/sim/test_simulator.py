@@ -117,7 +117,8 @@ def test_this_machine_is_measured_on_first_use_and_remembered(tmp_path, monkeypa
     monkeypatch.setattr(hardware, "DRAM_PROBE_BYTES", 1 << 20)
     reads = []
 
-    def read(path, chunk, threads, seconds):
+    def read(path, chunk, threads, seconds, *, huge_pages):
+        assert huge_pages  # as the reader's staging matrices are
         assert Path(path).stat().st_size == 1 << 20
         reads.append((Path(path).parent, chunk, threads, seconds))
         return {"chunk_bytes": chunk, "bytes_per_s": 1000.0 * chunk**0.5}
