@@ -269,14 +269,16 @@ def this_machine(
     directory: str | os.PathLike[str] | None = None, *, progress: bool = True
 ) -> HardwareProfile:
     """The machine at hand, measured the first time it is asked for and remembered per host and disk
-    (`flashlm._measurements`): its physical memory (all of it, as `dev-vm` counts it: `--dram` sets
-    what a model may use); the bandwidth of a sum over `DRAM_PROBE_BYTES` on
-    torch's threads (a decode's products stream their weights as fast); and O_DIRECT random reads of a
-    `TEST_FILE_BYTES` file written under `directory` (default: flashlm's store directory) and removed
-    after, on the reader's default threads into huge pages as its staging matrices are (on a VM, twice
-    as fast for large requests as 4 KiB pages), one point per chunk size of `MEASURED_CHUNKS` (the
-    sequential bandwidth is the best of them), with a progress bar unless `progress` is False. About ten
-    seconds. `ConfigError` where that disk refuses O_DIRECT."""
+    (`flashlm._measurements`), in about ten seconds:
+    - DRAM: its physical memory (all of it, as `dev-vm` counts it: `--dram` sets what a model may use),
+      and the bandwidth of a sum over `DRAM_PROBE_BYTES` on torch's threads (a decode's products
+      stream their weights as fast);
+    - flash: O_DIRECT random reads of a `TEST_FILE_BYTES` file written under `directory` (default:
+      flashlm's store directory) and removed after, on the reader's default threads, into huge pages
+      as its staging matrices are (on a VM, twice as fast for large requests as 4 KiB pages): one
+      point per chunk size of `MEASURED_CHUNKS`, the best of them the sequential bandwidth.
+
+    A progress bar shows unless `progress` is False. `ConfigError` where that disk refuses O_DIRECT."""
     from .._measurements import recall, remember
     from .._utils import cache_dir
     from ..store import disk
