@@ -292,8 +292,7 @@ def this_machine(
             "on (`this_machine(directory)`, or `FLASHLM_CACHE` for the default), or pass a profile .json "
             "(benchmarks/reader_profile.py writes one)."
         )
-    device = directory.stat().st_dev
-    key = f"{os.uname().nodename}|{os.major(device)}:{os.minor(device)}"
+    key = disk.disk_key(directory)
     if (known := recall(MACHINE_PROFILES, key, _profile_from_fields)) is not None:
         return known
     profile = _measure_machine(directory, progress)

@@ -188,6 +188,12 @@ DISK_PROFILES = "disk_profiles.json"
 """Measurements file (`flashlm._measurements`) of the disks profiled on this machine."""
 
 
+def disk_key(path: str | os.PathLike[str]) -> str:
+    """The key a measurement of the disk holding `path` is remembered under: the host and the device."""
+    device = os.stat(path).st_dev
+    return f"{os.uname().nodename}|{os.major(device)}:{os.minor(device)}"
+
+
 def disk_profile(paths: Sequence[Path]) -> DiskProfile | None:
     """The profile of the disk holding the files `paths`, measured the first time a store on it is
     read and remembered; None where it cannot be measured (O_DIRECT refused, or less than
@@ -197,8 +203,7 @@ def disk_profile(paths: Sequence[Path]) -> DiskProfile | None:
     paths = sorted({Path(p) for p in paths})
     if not paths or sum(p.stat().st_size for p in paths) < PROFILE_MIN_BYTES:
         return None
-    device = os.stat(paths[0]).st_dev
-    key = f"{os.uname().nodename}|{os.major(device)}:{os.minor(device)}"
+    key = disk_key(paths[0])
     if (known := recall(DISK_PROFILES, key, DiskProfile)) is not None:
         return known
     try:
