@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -271,8 +270,8 @@ def this_machine(
     """The machine at hand, measured the first time it is asked for and remembered per host and disk
     (`flashlm._measurements`), in about ten seconds:
     - DRAM: its physical memory (all of it, as `dev-vm` counts it: `--dram` sets what a model may use),
-      and the bandwidth of a sum over `DRAM_PROBE_BYTES` on torch's threads (a decode's products
-      stream their weights as fast);
+      and the bandwidth of a sum over `DRAM_PROBE_BYTES` on torch's threads, the median of seven (a
+      decode's products stream their weights as fast);
     - flash: O_DIRECT random reads of a `TEST_FILE_BYTES` file written under `directory` (default:
       flashlm's store directory) and removed after, on the reader's default threads, into huge pages
       as its staging matrices are (on a VM, twice as fast for large requests as 4 KiB pages): one
@@ -304,6 +303,7 @@ def _measure_machine(directory: Path, progress: bool) -> HardwareProfile:
     import torch
     from tqdm.auto import tqdm
 
+    from .._measurements import median_seconds
     from ..store import disk
     from ..store.reader import DEFAULT_THREADS
 
@@ -319,15 +319,10 @@ def _measure_machine(directory: Path, progress: bool) -> HardwareProfile:
         test_file.unlink(missing_ok=True)
     flash = tuple((read["chunk_bytes"], read["bytes_per_s"]) for read in reads)
     probe = torch.ones(DRAM_PROBE_BYTES // 4, dtype=torch.float32)
-    sums = []
-    for _ in range(5):
-        started = time.perf_counter()
-        probe.sum()
-        sums.append(time.perf_counter() - started)
     return HardwareProfile(
         name=f"this machine ({os.uname().nodename}, measured by flashlm.sim.hardware.this_machine)",
         dram_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        dram_bandwidth=DRAM_PROBE_BYTES / min(sums),
+        dram_bandwidth=DRAM_PROBE_BYTES / median_seconds(probe.sum),
         flash_sequential_bandwidth=max(rate for _, rate in flash),
         flash_random=flash,
     )
