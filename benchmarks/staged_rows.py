@@ -62,6 +62,8 @@ def main() -> None:
     def timed_beside_read(matrix: torch.Tensor, layer: int) -> float:
         following = (layer + 1) % runtime.num_layers
         pending = runtime.reader.submit_in_place((following, "down"), down_rows, runtime.staging["down"][0])
+        if pending is None:
+            raise SystemExit("A read beside the product needs the reader's C pool: build flashlm's C reader.")
         elapsed = timed(matrix)
         pending.result()
         return elapsed
