@@ -188,15 +188,14 @@ def ops_table(variants: list[Variant], count: int) -> str:
         "| operator (self ms, calls per token) | " + " | ".join(variant.label for variant in variants) + " |",
         "|---" * (len(variants) + 1) + "|",
     ]
-    for op in [*ops, "all operators"]:
-        cells = []
-        for variant in variants:
-            if op == "all operators":
-                cells.append(f"{sum(variant.op_ms.values()) / variant.profiled_tokens:.1f}")
-            else:
-                per_token = variant.op_ms[op] / variant.profiled_tokens
-                cells.append(f"{per_token:.2f} ({variant.op_calls[op] / variant.profiled_tokens:.0f})")
+    for op in ops:
+        cells = [
+            f"{v.op_ms[op] / v.profiled_tokens:.2f} ({v.op_calls[op] / v.profiled_tokens:.0f})"
+            for v in variants
+        ]
         lines.append(f"| {op} | " + " | ".join(cells) + " |")
+    totals = [f"{sum(variant.op_ms.values()) / variant.profiled_tokens:.1f}" for variant in variants]
+    lines.append("| all operators | " + " | ".join(totals) + " |")
     return "\n".join(lines)
 
 
